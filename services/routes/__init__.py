@@ -1,0 +1,1 @@
+"""sisrl.services.routes."""

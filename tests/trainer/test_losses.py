@@ -1,0 +1,165 @@
+"""Policy losses, ratio strategies and aggregation: hand-derived values, registry, GSPO with SIS."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sisrl.trainer.losses import (
+    aggregate,
+    compute_log_ratio,
+    entropy_from_logits,
+    get_policy_loss,
+    kl_penalty,
+    register_policy_loss,
+)
+from sisrl.trainer.sis import behaviour_topk, token_and_topk_logprobs, token_in_topk
+
+
+def test_clip_hand_derived() -> None:
+    # ratio e, A = 1, eps 0.2: clipped to 1.2, loss -1.2. ratio e^-1, A = -1: max(e^-1, 0.8) = 0.8.
+    log_ratio = torch.tensor([[1.0, -1.0]])
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, m = get_policy_loss("grpo")(log_ratio=log_ratio, advantages=adv, mask=torch.ones(1, 2))
+    assert math.isclose(loss.item(), (-1.2 + 0.8) / 2, abs_tol=1e-6)
+    assert m["loss/clipfrac"].item() == 1.0
+
+
+def test_clip_higher_and_dual_clip() -> None:
+    # DAPO eps_high 0.28: ratio e, A = 1 -> -1.28. Dual clip c = 3, ratio e^2, A = -1: min(e^2, 3) = 3.
+    loss, _ = get_policy_loss("dapo")(log_ratio=torch.tensor([[1.0]]), advantages=torch.tensor([1.0]),
+                                      mask=torch.ones(1, 1))
+    assert math.isclose(loss.item(), -1.28, abs_tol=1e-6)
+    loss, _ = get_policy_loss("grpo")(log_ratio=torch.tensor([[2.0]]), advantages=torch.tensor([-1.0]),
+                                      mask=torch.ones(1, 1), clip_dual=3.0)
+    assert math.isclose(loss.item(), 3.0, abs_tol=1e-6)
+    loss, _ = get_policy_loss("grpo")(log_ratio=torch.tensor([[2.0]]), advantages=torch.tensor([-1.0]),
+                                      mask=torch.ones(1, 1))
+    assert math.isclose(loss.item(), math.exp(2.0), rel_tol=1e-6)
+
+
+def test_noclip_is_plain_surrogate() -> None:
+    loss, _ = get_policy_loss("grpo_noclip")(log_ratio=torch.tensor([[1.0, 0.0]]),
+                                             advantages=torch.tensor([2.0]), mask=torch.ones(1, 2))
+    assert math.isclose(loss.item(), -(2 * math.e + 2) / 2, rel_tol=1e-6)
+
+
+def test_aggregation_modes_hand_computed() -> None:
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # token-mean (1+2+4)/3; seq-mean-token-mean ((1+2)/2 + 4/1)/2; token-sum (3+4)/2; norm (3+4)/2/3
+    assert math.isclose(aggregate(loss_mat, mask, "token-mean").item(), 7 / 3, rel_tol=1e-6)
+    assert math.isclose(aggregate(loss_mat, mask, "seq-mean-token-mean").item(), 2.75, rel_tol=1e-6)
+    assert math.isclose(aggregate(loss_mat, mask, "seq-mean-token-sum").item(), 3.5, rel_tol=1e-6)
+    assert math.isclose(aggregate(loss_mat, mask, "seq-mean-token-sum-norm").item(), 3.5 / 3, rel_tol=1e-6)
+    # Two ranks with 3 + 5 tokens: each divides by the global 8 and multiplies by 2 for DDP's mean.
+    assert math.isclose(aggregate(loss_mat, mask, "token-mean", global_tokens=8, dp_size=2).item(), 7 * 2 / 8)
+    with pytest.raises(ValueError, match="'bogus'.*token-mean"):
+        aggregate(loss_mat, mask, "bogus")
+
+
+def test_masked_values_do_not_leak_into_aggregation() -> None:
+    loss_mat = torch.tensor([[1.0, float("nan")], [2.0, float("inf")]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert torch.isfinite(aggregate(loss_mat, mask, mode)), mode
+
+
+def test_registry_refuses_unknown_and_duplicate_names() -> None:
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'.*'gspo'"):
+        get_policy_loss("ppo2")
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("grpo")(get_policy_loss("grpo"))
+
+
+def test_ratio_strategies_hand_derived() -> None:
+    logp = torch.tensor([[0.0, 0.0, 0.0]], requires_grad=True)
+    logq = torch.tensor([[-2.0, 0.0, 1.0]])  # w = e^2, 1, e^-1
+    mask = torch.ones(1, 3)
+    plain = compute_log_ratio("is", logp=logp, logq=logq, mask=mask)
+    torch.testing.assert_close(plain.log_ratio, torch.tensor([[2.0, 0.0, -1.0]]))
+    tis = compute_log_ratio("tis", logp=logp, logq=logq, mask=mask, tis_cap=2.0)
+    torch.testing.assert_close(tis.log_ratio.exp(), torch.tensor([[2.0, 1.0, math.exp(-1)]]))
+    assert math.isclose(tis.metrics["tis/truncated_frac"].item(), 1 / 3, rel_tol=1e-6)
+    # Truncated token keeps gradient C * grad log pi: d(r)/d(logp) = r = 2 at the cap.
+    (grad,) = torch.autograd.grad(tis.log_ratio.exp().sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([[2.0, 1.0, math.exp(-1)]]))
+    ice = compute_log_ratio("icepop", logp=logp, logq=logq, mask=mask, icepop_low=0.5, icepop_high=2.0)
+    assert ice.weights is not None
+    torch.testing.assert_close(ice.weights, torch.tensor([[0.0, 1.0, 0.0]]))
+    with pytest.raises(ValueError, match="unknown ratio strategy 'xx'"):
+        compute_log_ratio("xx", logp=logp, logq=logq, mask=mask)
+    with pytest.raises(ValueError, match="needs topk_logp"):
+        compute_log_ratio("sis", logp=logp, logq=logq, mask=mask)
+
+
+def test_icepop_weights_zero_the_gradient_of_out_of_range_tokens() -> None:
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    res = compute_log_ratio("icepop", logp=logp, logq=torch.tensor([[-3.0, 0.0]]), mask=torch.ones(1, 2))
+    loss, _ = get_policy_loss("grpo")(log_ratio=res.log_ratio, advantages=torch.tensor([1.0]),
+                                      mask=torch.ones(1, 2), weights=res.weights)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0, 0] == 0 and grad[0, 1] != 0
+
+
+def _sis_batch(seed: int):
+    torch.manual_seed(seed)
+    logits = torch.randn(3, 8, 30, requires_grad=True)
+    logits_q = logits.detach() + 0.7 * torch.randn(3, 8, 30)
+    y = torch.distributions.Categorical(logits=logits_q).sample()
+    logq, topk_ids, topk_logq = behaviour_topk(logits_q, y, 10)
+    logp, topk_logp = token_and_topk_logprobs(logits, y, topk_ids)
+    mask = torch.ones(3, 8)
+    mask[2, 5:] = 0
+    res = compute_log_ratio("sis", logp=logp, logq=logq, mask=mask, topk_logp=topk_logp, topk_logq=topk_logq,
+                            in_topk=token_in_topk(y, topk_ids), generator=torch.Generator().manual_seed(seed))
+    return logits, logp, logq, mask, res
+
+
+def test_gspo_sequence_ratio_and_sis_zeroes_accepted_tokens() -> None:
+    logits, logp, logq, mask, res = _sis_batch(0)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    _, metrics = get_policy_loss("gspo")(log_ratio=res.log_ratio, advantages=adv, mask=mask)
+    # s_i = exp(mean over the sequence's tokens of log r_t), with log r_t = 0 for SIS-accepted tokens.
+    l = (logp - logq).detach()
+    accepted = torch.tensor(res.metrics["sis/accept_rate"].item() > 0)
+    assert accepted
+    kept = torch.where(res.log_ratio.detach() == 0, torch.zeros_like(l), l) * mask
+    expect = (kept.sum(-1) / mask.sum(-1)).exp().mean()
+    torch.testing.assert_close(metrics["gspo/seq_ratio_mean"], expect, rtol=1e-6, atol=1e-7)
+    plain = compute_log_ratio("is", logp=logp, logq=logq, mask=mask)
+    _, plain_metrics = get_policy_loss("gspo")(log_ratio=plain.log_ratio, advantages=adv, mask=mask)
+    expect_plain = ((l * mask).sum(-1) / mask.sum(-1)).exp().mean()
+    torch.testing.assert_close(plain_metrics["gspo/seq_ratio_mean"], expect_plain, rtol=1e-6, atol=1e-7)
+    assert not torch.isclose(expect, expect_plain)
+
+
+def test_gspo_gradient_is_sequence_ratio_times_grad_logp() -> None:
+    """Unclipped GSPO: dL/dlogp_t = -(A_i / B) sg(s_i) / |y_i| (seq-mean-token-mean)."""
+    logits, logp, logq, mask, res = _sis_batch(1)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    loss, _ = get_policy_loss("gspo")(log_ratio=res.log_ratio, advantages=adv, mask=mask, clip_low=10.0,
+                                      clip_high=10.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    n = mask.sum(-1)
+    s = ((res.log_ratio.detach() * mask).sum(-1) / n).exp()
+    expect = (-(adv * s / n / 3)).unsqueeze(-1) * mask
+    torch.testing.assert_close(grad, expect, rtol=1e-5, atol=1e-7)
+
+
+def test_kl_penalties_hand_derived() -> None:
+    logp, ref = torch.tensor([0.0]), torch.tensor([-1.0])
+    assert kl_penalty(logp, ref, "k1").item() == 1.0
+    assert kl_penalty(logp, ref, "k2").item() == 0.5
+    assert math.isclose(kl_penalty(logp, ref, "low_var_kl").item(), math.exp(-1) + 1 - 1, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="'k9'"):
+        kl_penalty(logp, ref, "k9")
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_entropy_matches_definition(chunk_size: int | None) -> None:
+    logits = torch.randn(2, 5, 40) * 3
+    p = torch.softmax(logits, -1)
+    ref = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_size), ref, rtol=1e-5, atol=1e-5)

@@ -122,15 +122,15 @@ def test_gspo_sequence_ratio_and_sis_zeroes_accepted_tokens() -> None:
     adv = torch.tensor([1.0, -1.0, 0.5])
     _, metrics = get_policy_loss("gspo")(log_ratio=res.log_ratio, advantages=adv, mask=mask)
     # s_i = exp(mean over the sequence's tokens of log r_t), with log r_t = 0 for SIS-accepted tokens.
-    l = (logp - logq).detach()
+    log_w = (logp - logq).detach()
     accepted = torch.tensor(res.metrics["sis/accept_rate"].item() > 0)
     assert accepted
-    kept = torch.where(res.log_ratio.detach() == 0, torch.zeros_like(l), l) * mask
+    kept = torch.where(res.log_ratio.detach() == 0, torch.zeros_like(log_w), log_w) * mask
     expect = (kept.sum(-1) / mask.sum(-1)).exp().mean()
     torch.testing.assert_close(metrics["gspo/seq_ratio_mean"], expect, rtol=1e-6, atol=1e-7)
     plain = compute_log_ratio("is", logp=logp, logq=logq, mask=mask)
     _, plain_metrics = get_policy_loss("gspo")(log_ratio=plain.log_ratio, advantages=adv, mask=mask)
-    expect_plain = ((l * mask).sum(-1) / mask.sum(-1)).exp().mean()
+    expect_plain = ((log_w * mask).sum(-1) / mask.sum(-1)).exp().mean()
     torch.testing.assert_close(plain_metrics["gspo/seq_ratio_mean"], expect_plain, rtol=1e-6, atol=1e-7)
     assert not torch.isclose(expect, expect_plain)
 

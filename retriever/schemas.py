@@ -1,0 +1,52 @@
+"""Wire models of the retrieval server; the shapes are Search-R1's (`search_r1/search/retrieval_server.py`),
+which verl's SearchTool and SkyRL's search env also send and parse (DESIGN.md, "Wire contracts")."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sisrl.retriever.settings import MAX_TOPK
+
+
+class RetrieveRequest(BaseModel):
+    """`{"queries": [str], "topk": int, "return_scores": bool}`; `{"query": str}` (one query) is accepted too."""
+
+    model_config = ConfigDict(extra="ignore")  # clients add fields of their own (e.g. request ids)
+
+    queries: list[str] | None = Field(None, min_length=1, description="queries, answered in order")
+    query: str | None = Field(None, description="a single query, instead of `queries`")
+    topk: int | None = Field(None, ge=1, le=MAX_TOPK, description="passages per query; default: server setting")
+    return_scores: bool = Field(False, description="wrap each passage as {document, score}")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> RetrieveRequest:
+        if (self.queries is None) == (self.query is None):
+            raise ValueError("give exactly one of 'queries' (a non-empty list of strings) or 'query' (a string)")
+        return self
+
+    def query_list(self) -> list[str]:
+        return self.queries if self.queries is not None else [self.query or ""]
+
+
+class Document(BaseModel):
+    id: str
+    contents: str = Field(description='"Title"\\ntext, as in the corpus')
+
+
+class ScoredDocument(BaseModel):
+    document: Document
+    score: float = Field(description="inner product of the L2-normalised query and passage vectors")
+
+
+class RetrieveResponse(BaseModel):
+    """One inner list per query, in request order; items are ScoredDocument with `return_scores`, else Document."""
+
+    result: list[list[ScoredDocument]] | list[list[Document]]
+
+
+class Health(BaseModel):
+    status: str
+    passages: int
+    dim: int
+    encoder: str
+    index_type: str
+    startup_seconds: float

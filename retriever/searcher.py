@@ -1,0 +1,97 @@
+"""The synchronous core of retrieval: encode queries, search FAISS, read the passages. No caching here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sisrl.retriever.corpus import Passage
+from sisrl.retriever.docstore import DocStore
+from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
+from sisrl.retriever.index import load_faiss
+from sisrl.retriever.manifest import Manifest, ManifestError, identity_mismatch, load_manifest
+
+logger = logging.getLogger(__name__)
+
+Hit = tuple[Passage, float]
+
+
+@dataclass(frozen=True)
+class SearcherOptions:
+    encoder: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    encode_batch_size: int = 64
+    faiss_gpu: bool = False
+    mmap_index: bool = False
+    nprobe: int = 32
+    ef_search: int = 128
+
+
+class Searcher:
+    """Encoder + FAISS index + document store of one index directory, checked against each other."""
+
+    def __init__(self, manifest: Manifest, encoder: Encoder, index: Any, store: DocStore) -> None:
+        self.manifest, self.encoder, self.index, self.store = manifest, encoder, index, store
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        """`[n queries]` -> n lists of k (passage, score), best first. Rows FAISS could not fill are dropped."""
+        if not queries:
+            return []
+        vectors = self.encoder.encode_queries(queries)  # [n, dim] float32, unit norm
+        scores, rows = self.index.search(vectors, k)  # [n, k] each
+        return [self._hits(row_ids, row_scores) for row_ids, row_scores in zip(rows, scores, strict=True)]
+
+    def _hits(self, rows: np.ndarray, scores: np.ndarray) -> list[Hit]:
+        return [(self.store.get(int(r)), float(s)) for r, s in zip(rows, scores, strict=True) if r >= 0]
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def encoder_config(manifest: Manifest, options: SearcherOptions) -> EncoderConfig:
+    """The EncoderConfig that reproduces the manifest's encoder, with the serving dtype/device/batch."""
+    spec = manifest.encoder
+    return EncoderConfig(model=options.encoder or spec.model, query_prefix=spec.query_prefix,
+                         passage_prefix=spec.passage_prefix, max_length=spec.max_length, dtype=options.dtype,
+                         device=options.device, batch_size=options.encode_batch_size)
+
+
+def check_encoder(manifest: Manifest, encoder: Encoder, directory: Path) -> None:
+    """Raise ManifestError when `encoder` would not make the vectors the index was built with."""
+    if encoder.dim != manifest.dim:
+        raise ManifestError(f"encoder {encoder.cfg.model!r} makes {encoder.dim}-dim vectors but the index at "
+                            f"{directory} holds {manifest.dim}-dim ones (built with {manifest.encoder.model!r})")
+    differences = identity_mismatch(manifest.encoder_identity, encoder.identity)
+    if differences:
+        raise ManifestError(f"encoder {encoder.cfg.model!r} does not match the index at {directory} "
+                            f"(built with {manifest.encoder.model!r}): " + "; ".join(differences))
+
+
+def open_searcher(directory: Path, options: SearcherOptions | None = None) -> Searcher:
+    """Load and cross-check manifest, encoder, FAISS file and document store; fail fast with the reason."""
+    options = options or SearcherOptions()
+    started = time.perf_counter()
+    manifest = load_manifest(directory)
+    # The encoder is checked before the (possibly tens of GB) FAISS file is read: a mismatch fails in seconds.
+    encoder = load_encoder(encoder_config(manifest, options))
+    check_encoder(manifest, encoder, directory)
+    store = DocStore(directory)
+    try:
+        if len(store) != manifest.count:
+            raise ManifestError(f"{directory}: document store has {len(store)} passages, manifest says {manifest.count}")
+        index = load_faiss(directory, count=manifest.count, dim=manifest.dim, gpu=options.faiss_gpu,
+                           mmap=options.mmap_index, nprobe=options.nprobe, ef_search=options.ef_search)
+    except BaseException:
+        store.close()
+        raise
+    logger.info("index %s opened in %.2fs: %d passages, %s", directory, time.perf_counter() - started,
+                manifest.count, manifest.index_type)
+    return Searcher(manifest, encoder, index, store)
+
+
+__all__ = ["Hit", "Searcher", "SearcherOptions", "open_searcher", "encoder_config", "check_encoder"]

@@ -1,0 +1,168 @@
+"""The asynchronous retrieval path between the HTTP route and the Searcher.
+
+What makes it faster than Search-R1's server for RL traffic, each part switchable (Settings):
+- `dedupe`: a GRPO batch repeats each question n times; identical queries are encoded and searched once.
+- `cache_size`: an LRU cache of (query, topk) -> hits; later rollouts ask the same first queries again.
+- `coalesce_ms`: requests that arrive within a few ms are merged into one encoder batch, so many one-query
+  clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it.
+- `offload`: encoding and search run in one worker thread, so the event loop keeps accepting requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from sisrl.retriever.metrics import Metrics
+from sisrl.retriever.searcher import Hit, Searcher
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    dedupe: bool = True
+    cache_size: int = 65536
+    coalesce_ms: float = 2.0
+    max_batch_queries: int = 1024
+    offload: bool = True
+    max_query_chars: int = 4096
+
+
+class LRUCache:
+    """(query, topk) -> hits, at most `size` entries; only the event-loop thread touches it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data: OrderedDict[tuple[str, int], list[Hit]] = OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> list[Hit] | None:
+        hits = self._data.get(key)
+        if hits is not None:
+            self._data.move_to_end(key)
+        return hits
+
+    def put(self, key: tuple[str, int], hits: list[Hit]) -> None:
+        self._data[key] = hits
+        self._data.move_to_end(key)
+        while len(self._data) > self.size:
+            self._data.popitem(last=False)
+
+
+@dataclass
+class _Pending:
+    queries: list[str]
+    k: int
+    future: asyncio.Future[list[list[Hit]]] = field(repr=False)
+
+
+class RetrievalService:
+    def __init__(self, searcher: Searcher, options: ServiceOptions, metrics: Metrics) -> None:
+        self.searcher, self.options, self.metrics = searcher, options, metrics
+        self.cache = LRUCache(options.cache_size) if options.cache_size > 0 else None
+        # One worker: the encoder is one model; two threads would only fight over the same cores.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-encode")
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._worker: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.options.coalesce_ms > 0:
+            self._queue = asyncio.Queue()
+            self._worker = asyncio.create_task(self._coalesce_loop(), name="retriever-coalesce")
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def retrieve(self, queries: list[str], k: int) -> list[list[Hit]]:
+        """Hits for each query, in order; the same lists a plain `Searcher.search(queries, k)` gives."""
+        queries = [q[: self.options.max_query_chars] for q in queries]
+        unique = list(dict.fromkeys(queries)) if self.options.dedupe else queries
+        self.metrics.duplicates.inc(len(queries) - len(unique))
+        found: dict[int, list[Hit]] = {}
+        if self.cache is not None:
+            for i, query in enumerate(unique):
+                hits = self.cache.get((query, k))
+                if hits is not None:
+                    found[i] = hits
+            self.metrics.record_cache(len(found), len(unique) - len(found))
+        missing = [i for i in range(len(unique)) if i not in found]
+        if missing:
+            fresh = await self._search([unique[i] for i in missing], k)
+            for i, hits in zip(missing, fresh, strict=True):
+                found[i] = hits
+                if self.cache is not None:
+                    self.cache.put((unique[i], k), hits)
+        if not self.options.dedupe:
+            return [found[i] for i in range(len(queries))]
+        position = {query: i for i, query in enumerate(unique)}
+        return [found[position[query]] for query in queries]
+
+    async def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        if self._queue is None:
+            self.metrics.encoder_batch.observe(len(queries))
+            return await self._run(lambda: self.searcher.search(queries, k))
+        future: asyncio.Future[list[list[Hit]]] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(queries, k, future))
+        return await future
+
+    async def _run(self, work: Callable[[], T]) -> T:
+        if not self.options.offload:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+
+    async def _coalesce_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            batch = await self._collect(self._queue)
+            try:
+                await self._serve_batch(batch)
+            except Exception as exc:  # hand the error to every waiting request; keep the loop alive
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.set_exception(exc)
+
+    async def _collect(self, queue: asyncio.Queue[_Pending]) -> list[_Pending]:
+        """The first waiting request plus whatever arrives within `coalesce_ms`, up to max_batch_queries."""
+        batch = [await queue.get()]
+        size = len(batch[0].queries)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.coalesce_ms / 1000
+        while size < self.options.max_batch_queries:
+            remaining = deadline - loop.time()
+            try:
+                pending = queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(queue.get(), remaining)
+            except (asyncio.QueueEmpty, asyncio.TimeoutError):
+                break
+            batch.append(pending)
+            size += len(pending.queries)
+        return batch
+
+    async def _serve_batch(self, batch: list[_Pending]) -> None:
+        # One encoder batch for all requests; search at the largest k, then cut each request's lists to its k
+        # (for exact search the top-k is a prefix of the top-K; HNSW/IVF may differ in rare ties).
+        flat = [q for pending in batch for q in pending.queries]
+        unique = list(dict.fromkeys(flat)) if self.options.dedupe else flat
+        k_max = max(pending.k for pending in batch)
+        self.metrics.encoder_batch.observe(len(unique))
+        self.metrics.coalesced_requests.observe(len(batch))
+        hits = await self._run(lambda: self.searcher.search(unique, k_max))
+        if self.options.dedupe:
+            by_query = dict(zip(unique, hits, strict=True))
+            rows = [by_query[q] for q in flat]
+        else:
+            rows = hits
+        start = 0
+        for pending in batch:
+            part = rows[start:start + len(pending.queries)]
+            start += len(pending.queries)
+            if not pending.future.done():
+                pending.future.set_result([h[: pending.k] for h in part])

@@ -1,0 +1,56 @@
+"""Settings of the retrieval server (`sisrl-retriever serve`): flags, or `SISRL_RETRIEVER_<NAME>` variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sisrl.retriever.encoder import DTYPES
+
+MAX_TOPK = 100  # the wire limit on `topk` (issue 3: topk outside 1..100 is a 4xx)
+
+
+class Settings(BaseSettings):
+    """Every option of the server; each field's description is its `--help` line."""
+
+    model_config = SettingsConfigDict(env_prefix="SISRL_RETRIEVER_", frozen=True, extra="forbid")
+
+    index: Path = Field(description="index directory made by `sisrl-retriever build`")
+    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 only inside a container")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    encoder: str | None = Field(None, description="encoder model; default: the one recorded in the index manifest")
+    dtype: str = Field("float32", description="encoder dtype: float32 | bfloat16 | float16")
+    device: str = Field("auto", description="encoder device: auto | cpu | cuda | cuda:N | mps")
+    encode_batch_size: int = Field(64, ge=1, description="queries per encoder forward pass")
+    default_topk: int = Field(3, ge=1, le=MAX_TOPK, description="topk when a request gives none (Search-R1: 3)")
+    max_queries: int = Field(4096, ge=1, description="most queries in one request (more is a 422)")
+    max_query_chars: int = Field(4096, ge=1, description="queries are cut to this many characters before encoding")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (more is a 413)")
+    dedupe: bool = Field(True, description="encode duplicate queries of a request (and of a coalesced batch) once")
+    cache_size: int = Field(65536, ge=0, description="LRU cache entries of (query, topk) results; 0 turns it off")
+    coalesce_ms: float = Field(2.0, ge=0, le=1000, description="collect concurrent requests this long into one "
+                               "encoder batch; 0 turns coalescing off")
+    max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
+    offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
+    faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
+    mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
+    nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")
+    ef_search: int = Field(128, ge=1, description="HNSW: candidate list size per query")
+    api_token: SecretStr | None = Field(None, description="when set, /retrieve and /metrics need "
+                                        "`Authorization: Bearer <token>`")
+    log_level: str = Field("info", description="debug | info | warning | error")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}, expected one of {sorted(DTYPES)}")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if value.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"unknown log level {value!r}, expected debug | info | warning | error")
+        return value.lower()

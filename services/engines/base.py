@@ -8,7 +8,7 @@ from, i.e. after temperature and top-p. Nothing is ever decoded and re-tokenised
 Conventions shared by all engines:
 - Log-probs are clamped below at `MIN_LOGPROB` (-9999.0, the floor vLLM's OpenAI server also uses), so tokens
   that top-p removed carry a finite, JSON-safe value instead of -inf.
-- `temperature == 0` means greedy decoding; q is then reported at temperature 1 without top-p (vLLM does the
+- `temperature == 0` (any value below GREEDY_TEMPERATURE) means greedy decoding; q is then reported at temperature 1 without top-p (vLLM does the
   same for greedy requests). Negative temperatures are refused.
 - Top-K entries are ordered by rank under q (most probable first); ties keep the model's logit order.
 """
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 MIN_LOGPROB = -9999.0
+# Temperatures below this decode greedily (vLLM's sampling epsilon): 1/temperature would overflow the logits.
+GREEDY_TEMPERATURE = 1e-5
 FINISH_REASONS = ("stop", "eos", "length")
 ENGINE_KINDS = ("local", "vllm-http", "vllm")
 
@@ -56,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -149,6 +151,7 @@ def create_engine(kind: str, *, model: str | PreTrainedModel, url: str | None = 
 __all__ = [
     "ENGINE_KINDS",
     "FINISH_REASONS",
+    "GREEDY_TEMPERATURE",
     "MIN_LOGPROB",
     "Engine",
     "Generation",

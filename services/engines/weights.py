@@ -1,0 +1,55 @@
+"""Read a safetensors checkpoint (HF directory or single file) and check it fits a model before any swap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of `path`: a `.safetensors` file or a directory of them (sharded HF checkpoints)."""
+    root = Path(path)
+    if root.is_file() and root.suffix == ".safetensors":
+        files = [root]
+    elif root.is_dir():
+        files = sorted(root.glob("*.safetensors"))
+    else:
+        raise FileNotFoundError(f"weights path {path!r} is neither a .safetensors file nor a directory")
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path!r}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless `state` gives every parameter of `model` with the right shape.
+
+    A name may be missing when it is tied to a present one (save_pretrained drops tied `lm_head.weight`).
+    """
+    own = model.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} names the model lacks, e.g. {unexpected[:3]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}"
+            )
+    aliases: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(name)
+    for names in aliases.values():
+        if not names & set(state):
+            raise ValueError(f"checkpoint lacks parameter {sorted(names)[0]!r}")
+
+
+@torch.no_grad()
+def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into `model`'s tensors in place (dtype cast to the model's); call `check_state` first."""
+    own = model.state_dict()
+    for name, tensor in state.items():
+        own[name].copy_(tensor)

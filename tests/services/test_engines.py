@@ -1,0 +1,293 @@
+"""The local transformers engine: batching, behaviour log-probs against a fresh forward pass, stops, seeds,
+weight swaps and parameter validation. A tiny random Llama with the real SmolLM2 tokenizer stands in for the
+policy; every check runs the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
+from sisrl.services.engines.local import LocalEngine
+from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+T = TypeVar("T")
+QUESTIONS = [
+    "Who wrote the novel Dracula?",
+    "What is the capital of Australia? Think first.",
+    "<search>tallest mountain in Africa</search>",
+    "Name a prime number larger than one hundred and explain why it is prime.",
+    "Hi",
+    "When did the Berlin Wall fall, and which events led to it?",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
+    return build_tiny_policy(tokenizer, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """Prompts of different lengths, so batched rows are left-padded by different amounts."""
+    return [list(tokenizer.encode(q)) for q in QUESTIONS]
+
+
+def run_engine(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, body: Callable[[LocalEngine], Awaitable[T]]
+) -> T:
+    """Run `body(engine)` on a fresh engine in a fresh event loop, closing the engine afterwards."""
+
+    async def main() -> T:
+        engine = LocalEngine(model, tokenizer=tokenizer)
+        try:
+            return await body(engine)
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def reference_logq(
+    model: LlamaForCausalLM, prompt: list[int], gen: Generation, temperature: float, top_p: float
+) -> torch.Tensor:
+    """log q at every generated position from one full forward pass of prompt + generated ids. -> [T, V].
+
+    Written independently of the engine: plain softmax at the temperature, then a per-position nucleus.
+    """
+    ids = torch.tensor([prompt + gen.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()  # [T, V]
+    temp = temperature if temperature > 0 else 1.0
+    logq = torch.log_softmax(logits / temp, dim=-1)
+    if top_p < 1.0 and temperature > 0:
+        for t in range(logq.shape[0]):
+            probs, order = logq[t].exp().sort(descending=True)
+            keep = int((probs.cumsum(0) < top_p).sum()) + 1  # smallest prefix with mass >= top_p
+            masked = torch.full_like(logq[t], -math.inf)
+            masked[order[:keep]] = logq[t, order[:keep]]
+            logq[t] = masked - torch.logsumexp(masked, dim=0)
+    return logq.clamp(min=MIN_LOGPROB).float()
+
+
+def assert_matches_reference(
+    model: LlamaForCausalLM, prompt: list[int], gen: Generation, params: SamplingParams
+) -> None:
+    logq = reference_logq(model, prompt, gen, params.temperature, params.top_p)  # [T, V]
+    sampled = logq.gather(-1, torch.tensor(gen.token_ids).unsqueeze(-1)).squeeze(-1)
+    assert (sampled - torch.tensor(gen.logprobs)).abs().max().item() <= 1e-4
+    top_ids = torch.tensor(gen.topk_ids)  # [T, K]
+    assert (logq.gather(-1, top_ids) - torch.tensor(gen.topk_logprobs)).abs().max().item() <= 1e-4
+    # The recorded ids are the K best by rank (values sorted, nothing better left out).
+    kth = logq.gather(-1, top_ids[:, -1:])  # [T, 1]
+    assert bool((logq > kth + 1e-4).sum(-1).le(params.logprobs_k - 1).all())
+    assert bool((torch.tensor(gen.topk_logprobs).diff(dim=-1) <= 1e-6).all())
+
+
+def test_concurrent_requests_are_batched(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_new_tokens=10, stop=(), seed=3, logprobs_k=4)
+
+    async def body(engine: LocalEngine) -> list[Generation]:
+        gens = await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        stats = engine.stats
+        tokens = sum(len(g.token_ids) for g in gens)
+        assert stats.generated_tokens == tokens == 10 * len(prompts)
+        # One-at-a-time decoding needs one pass per token; the batch needs about max_new_tokens passes.
+        assert stats.forward_passes <= 10 + 2, stats
+        assert stats.max_batch_size == len(prompts)
+        return gens
+
+    gens = run_engine(model, tokenizer, body)
+    assert all(g.finish_reason == "length" for g in gens)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        gen.validate(4)
+        assert_matches_reference(model, prompt, gen, params)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.6, 1.0), (0.8, 0.9), (0.0, 1.0)], ids=str
+)
+def test_logprobs_equal_fresh_forward(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    temperature: float,
+    top_p: float,
+) -> None:
+    """Rows join a running batch at different times (staggered arrivals) and still match a fresh pass."""
+    params = SamplingParams(
+        max_new_tokens=8, temperature=temperature, top_p=top_p, stop=(), seed=11, logprobs_k=6
+    )
+
+    async def body(engine: LocalEngine) -> list[Generation]:
+        async def later(i: int, prompt: list[int]) -> Generation:
+            await asyncio.sleep(0.01 * i)
+            return await engine.generate(prompt, params)
+
+        gens = await asyncio.gather(*[later(i, p) for i, p in enumerate(prompts[:4])])
+        assert engine.stats.prefill_passes >= 2  # some rows joined a batch that was already decoding
+        return gens
+
+    gens = run_engine(model, tokenizer, body)
+    for prompt, gen in zip(prompts[:4], gens, strict=True):
+        assert_matches_reference(model, prompt, gen, params)
+        if temperature == 0.0:
+            logq = reference_logq(model, prompt, gen, 0.0, 1.0)
+            assert gen.token_ids == logq.argmax(-1).tolist()
+        if top_p < 1.0:  # a top-p row never samples outside its nucleus
+            assert min(gen.logprobs) > MIN_LOGPROB
+
+
+def test_sampled_token_in_topk_exactly_when_rank_le_k(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    k = 3
+    hot = SamplingParams(max_new_tokens=16, temperature=1.0, stop=(), seed=5, logprobs_k=k)
+    cold = SamplingParams(max_new_tokens=16, temperature=0.02, stop=(), seed=5, logprobs_k=k)
+
+    async def body(engine: LocalEngine) -> list[Generation]:
+        return await asyncio.gather(engine.generate(prompts[0], hot), engine.generate(prompts[1], cold))
+
+    gens = run_engine(model, tokenizer, body)
+    seen = set()
+    for prompt, gen, params in zip(prompts, gens, (hot, cold), strict=False):
+        logq = reference_logq(model, prompt, gen, params.temperature, 1.0)
+        for t, token in enumerate(gen.token_ids):
+            rank = int((logq[t] > logq[t, token]).sum()) + 1
+            assert (token in gen.topk_ids[t]) == (rank <= k), (t, rank)
+            seen.add(rank <= k)
+    assert seen == {True, False}, "both cases must occur for the check to mean anything"
+
+
+def test_stop_strings_end_generation_with_the_text_kept(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
+    free = run_engine(model, tokenizer, lambda e: e.generate(prompts[2], greedy))
+    # A stop string spanning two sampled tokens (the 4th and 5th) of the free-running greedy output.
+    stop = tokenizer.decode(free.token_ids[3:5])
+    texts = [tokenizer.decode(free.token_ids[: j + 1]) for j in range(len(free.token_ids))]
+    end = next(j for j, text in enumerate(texts) if stop in text)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=("never-appears", stop))
+    gen = run_engine(model, tokenizer, lambda e: e.generate(prompts[2], params))
+    assert gen.finish_reason == "stop"
+    assert gen.token_ids == free.token_ids[: end + 1]
+    assert stop in tokenizer.decode(gen.token_ids) and stop not in tokenizer.decode(gen.token_ids[:-1])
+
+
+def test_seed_reproducible_whatever_shares_the_batch(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, stop=(), seed=1234, logprobs_k=2)
+    other = SamplingParams(max_new_tokens=8, temperature=1.0, stop=(), seed=99, logprobs_k=2)
+
+    async def body(engine: LocalEngine) -> tuple[Generation, Generation, Generation]:
+        alone = await engine.generate(prompts[0], params)
+        crowd = await asyncio.gather(
+            engine.generate(prompts[3], other),
+            engine.generate(prompts[0], params),
+            engine.generate(prompts[5], other),
+        )
+        reseeded = await engine.generate(prompts[0], other)
+        return alone, crowd[1], reseeded
+
+    alone, batched, reseeded = run_engine(model, tokenizer, body)
+    assert alone.token_ids == batched.token_ids
+    assert max(abs(a - b) for a, b in zip(alone.logprobs, batched.logprobs, strict=True)) <= 1e-5
+    assert reseeded.token_ids != alone.token_ids
+
+
+def test_load_weights_changes_outputs_and_version(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    model = build_tiny_policy(tokenizer, seed=0)
+    build_tiny_policy(tokenizer, seed=1).save_pretrained(tmp_path / "v1", safe_serialization=True)
+    build_tiny_policy(tokenizer, hidden_size=32, seed=2).save_pretrained(
+        tmp_path / "wrong", safe_serialization=True
+    )
+    params = SamplingParams(max_new_tokens=6, stop=(), seed=8, logprobs_k=3)
+
+    async def body(engine: LocalEngine) -> tuple[Generation, Generation]:
+        before = await engine.generate(prompts[1], params)
+        # A running generation finishes on the old weights; the swap waits for it.
+        running = asyncio.create_task(engine.generate(prompts[4], params))
+        await asyncio.sleep(0)
+        await engine.load_weights(str(tmp_path / "v1"), 3)
+        assert (await running).policy_version == 0
+        assert engine.policy_version == 3
+        with pytest.raises(ValueError, match="shape"):
+            await engine.load_weights(str(tmp_path / "wrong"), 4)
+        with pytest.raises(FileNotFoundError, match="missing"):
+            await engine.load_weights(str(tmp_path / "missing"), 5)
+        assert engine.policy_version == 3
+        return before, await engine.generate(prompts[1], params)
+
+    before, after = run_engine(model, tokenizer, body)
+    assert before.policy_version == 0 and after.policy_version == 3
+    assert before.token_ids != after.token_ids
+    fresh = build_tiny_policy(tokenizer, seed=1)
+    assert_matches_reference(fresh, prompts[1], after, params)
+
+
+def test_bad_params_raise_errors_naming_the_value(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    for kwargs, name in [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"logprobs_k": -1}, "logprobs_k"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop": "</answer>"}, "stop"),
+        ({"seed": -3}, "seed"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+    async def body(engine: LocalEngine) -> None:
+        with pytest.raises(ValueError, match="at least one"):
+            await engine.generate([], SamplingParams())
+        with pytest.raises(ValueError, match=r"prompt_ids\[1\] = 49152"):
+            await engine.generate([1, 49152], SamplingParams())
+        with pytest.raises(ValueError, match="logprobs_k=50000"):
+            await engine.generate([1, 2], SamplingParams(logprobs_k=50000))
+
+    run_engine(model, tokenizer, body)
+    with pytest.raises(ValueError, match="'nope'.*'local', 'vllm-http', 'vllm'"):
+        create_engine("nope", model="x")
+    with pytest.raises(ValueError, match="tokenizer"):
+        LocalEngine(model)
+
+
+def test_cancelled_request_leaves_the_batch(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    long = SamplingParams(max_new_tokens=200, stop=(), seed=1, logprobs_k=1)
+    short = SamplingParams(max_new_tokens=6, stop=(), seed=2, logprobs_k=1)
+
+    async def body(engine: LocalEngine) -> Generation:
+        doomed = asyncio.create_task(engine.generate(prompts[0], long))
+        kept = asyncio.create_task(engine.generate(prompts[1], short))
+        await asyncio.sleep(0.05)
+        doomed.cancel()
+        result = await kept
+        await asyncio.sleep(0.05)
+        assert engine.stats.generated_tokens < 100  # the cancelled row stopped decoding
+        return result
+
+    assert len(run_engine(model, tokenizer, body).token_ids) == 6

@@ -1,0 +1,70 @@
+"""Config validation: unknown keys and bad values fail naming the dotted key; shipped configs load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sisrl.trainer.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    derived_sizes,
+    describe_fields,
+    load_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "trainer" / "configs"
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.stalenes: unknown key"):
+        config_from_dict({"algorithm": {"stalenes": 4}, "rollout": {"source": "synthetic"}})
+
+
+def test_bad_value_is_named_with_the_value() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.ratio: .*'is', 'sis', 'tis' or 'icepop'.*\(got 'foo'\)"):
+        config_from_dict({"algorithm": {"ratio": "foo"}, "rollout": {"source": "synthetic"}})
+    with pytest.raises(ConfigError, match=r"optim\.lr: Input should be greater than 0 \(got -1\)"):
+        config_from_dict({"optim": {"lr": -1}, "rollout": {"source": "synthetic"}})
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.staleness=64 exceeds the rollout batch"):
+        config_from_dict({"algorithm": {"staleness": 64}, "rollout": {"source": "synthetic"}})
+    with pytest.raises(ConfigError, match=r"data\.train must list at least one file"):
+        config_from_dict({})
+    with pytest.raises(ConfigError, match=r"dynamic_sampling needs rollout\.samples_per_prompt >= 2"):
+        config_from_dict({"algorithm": {"dynamic_sampling": True, "staleness": 1},
+                          "rollout": {"source": "synthetic", "samples_per_prompt": 1}})
+
+
+def test_overrides_are_typed_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  source: synthetic\n")
+    cfg = load_config(path, ["algorithm.staleness=8", "optim.lr=1e-5", "algorithm.dynamic_sampling=true"])
+    assert (cfg.algorithm.staleness, cfg.optim.lr, cfg.algorithm.dynamic_sampling) == (8, 1e-5, True)
+    assert derived_sizes(cfg) == {"rollout_batch": 16, "minibatch": 2}
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(path, ["algorithm.staleness"])
+    with pytest.raises(ConfigError, match=r"algorithm\.staleness: Input should be a valid integer"):
+        load_config(path, ["algorithm.staleness=many"])
+
+
+def test_config_is_frozen() -> None:
+    cfg = config_from_dict({"rollout": {"source": "synthetic"}})
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.algorithm.staleness = 2  # type: ignore[misc]
+
+
+def test_every_field_is_described() -> None:
+    rows = describe_fields()
+    assert len(rows) > 60
+    assert all(desc for _, _, desc in rows), [key for key, _, desc in rows if not desc]
+
+
+@pytest.mark.parametrize("name", ["demo_cpu", "nq_hotpotqa_qwen3b_gpu", "staleness"])
+def test_shipped_configs_load(name: str) -> None:
+    path = CONFIGS / f"{name}.yaml"
+    assert path.read_text().startswith("# "), "a config starts with its command and hardware"
+    assert isinstance(load_config(path), TrainConfig)

@@ -1,0 +1,143 @@
+"""Trajectories from the gateway and the padded tensors the update reads.
+
+Layout of a `RolloutBatch` (B sequences, P = longest prompt, T = longest response, K = top-K):
+prompts are left-padded and responses right-padded, so every response starts at column P and the logits that
+predict it are one contiguous slice (no gather, no second [B, T, V] tensor).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One trajectory as the gateway records it (fields this trainer reads; wire names kept)."""
+
+    id: str
+    item_id: str
+    group_id: str
+    data_source: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]  # [T] 1 = sampled by the policy, 0 = inserted by the environment
+    behaviour_logprobs: list[float]  # [T] log q(y_t)
+    topk_ids: list[list[int]]  # [T][K]
+    topk_logprobs: list[list[float]]  # [T][K]
+    reward: float
+    reward_parts: dict[str, float] = field(default_factory=dict)  # em, f1, format
+    turns: list[Any] = field(default_factory=list)
+    finish_reason: str = ""
+    answer: str | None = None
+    policy_version: int = 0
+    error: str | None = None
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> Trajectory:
+        names = {f.name for f in fields(Trajectory)}
+        kept = {k: v for k, v in obj.items() if k in names}
+        kept["reward"] = float(kept.get("reward") or 0.0)
+        kept["reward_parts"] = {k: float(v) for k, v in (kept.get("reward_parts") or {}).items() if v is not None}
+        kept["turns"] = kept.get("turns") or []
+        kept["loss_mask"] = kept.get("loss_mask") or [1] * len(kept.get("response_ids", []))
+        for key in ("group_id", "item_id", "data_source", "id"):
+            kept[key] = str(kept.get(key) or "")
+        return Trajectory(**kept)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def trajectories_to_bytes(trajs: list[Trajectory]) -> bytes:
+    """JSON encoding used to broadcast a batch to other ranks (never pickle)."""
+    return json.dumps([t.to_json() for t in trajs]).encode()
+
+
+def trajectories_from_bytes(raw: bytes) -> list[Trajectory]:
+    return [Trajectory.from_json(o) for o in json.loads(raw.decode())]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Padded tensors of B trajectories. Shapes in the field comments."""
+
+    input_ids: Tensor  # [B, P+T] left-padded prompt, then right-padded response
+    attention_mask: Tensor  # [B, P+T] 1 on real tokens
+    position_ids: Tensor  # [B, P+T] 0-based positions of real tokens (pads repeat 0)
+    response_ids: Tensor  # [B, T]
+    mask: Tensor  # [B, T] float, 1 = policy token that counts in losses and SIS statistics
+    logq: Tensor  # [B, T] behaviour log-prob of each response token
+    topk_ids: Tensor  # [B, T, K] behaviour top-K ids
+    topk_logq: Tensor  # [B, T, K] behaviour top-K log-probs
+    rewards: Tensor  # [B]
+    group_ids: tuple[str, ...]  # [B]
+
+    @property
+    def size(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def response_len(self) -> int:
+        return int(self.response_ids.shape[1])
+
+    def select(self, idx: Tensor) -> RolloutBatch:
+        """Rows `idx` ([n] long) of every field."""
+        rows = idx.tolist()
+        return replace(
+            self,
+            **{name: getattr(self, name)[idx] for name in _TENSOR_FIELDS},
+            group_ids=tuple(self.group_ids[i] for i in rows),
+        )
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
+
+    def with_behaviour(self, logq: Tensor, topk_ids: Tensor, topk_logq: Tensor) -> RolloutBatch:
+        return replace(self, logq=logq, topk_ids=topk_ids, topk_logq=topk_logq)
+
+    def with_mask(self, mask: Tensor) -> RolloutBatch:
+        return replace(self, mask=mask)
+
+
+_TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",
+                  "topk_logq", "rewards")
+
+
+def collate(trajs: list[Trajectory], *, pad_id: int, k: int) -> RolloutBatch:
+    """Pad trajectories into a RolloutBatch. Positions whose recorded top-K is shorter than K (environment
+    tokens) are filled with id 0 / log-prob 0 and always carry mask 0."""
+    if not trajs:
+        raise ValueError("collate needs at least one trajectory")
+    b = len(trajs)
+    p = max(len(t.prompt_ids) for t in trajs)
+    t_len = max(max(len(t.response_ids) for t in trajs), 1)
+    input_ids = torch.full((b, p + t_len), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, p + t_len), dtype=torch.long)
+    resp = torch.full((b, t_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, t_len))
+    logq = torch.zeros((b, t_len))
+    topk_ids = torch.zeros((b, t_len, k), dtype=torch.long)
+    topk_logq = torch.zeros((b, t_len, k))
+    for i, tr in enumerate(trajs):
+        n_p, n_r = len(tr.prompt_ids), len(tr.response_ids)
+        if not (len(tr.loss_mask) == len(tr.behaviour_logprobs) == n_r):
+            raise ValueError(f"trajectory {tr.id}: loss_mask/behaviour_logprobs lengths differ from response_ids ({n_r})")
+        input_ids[i, p - n_p : p] = torch.tensor(tr.prompt_ids, dtype=torch.long)
+        input_ids[i, p : p + n_r] = torch.tensor(tr.response_ids, dtype=torch.long)
+        attn[i, p - n_p : p + n_r] = 1
+        resp[i, :n_r] = torch.tensor(tr.response_ids, dtype=torch.long)
+        logq[i, :n_r] = torch.tensor(tr.behaviour_logprobs, dtype=torch.float32)
+        for t, (ids, lps) in enumerate(zip(tr.topk_ids, tr.topk_logprobs, strict=True)):
+            if len(ids) >= k and tr.loss_mask[t]:
+                topk_ids[i, t] = torch.tensor(ids[:k], dtype=torch.long)
+                topk_logq[i, t] = torch.tensor(lps[:k], dtype=torch.float32)
+                mask[i, t] = 1.0
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    rewards = torch.tensor([tr.reward for tr in trajs], dtype=torch.float32)
+    return RolloutBatch(input_ids, attn, position_ids, resp, mask, logq, topk_ids, topk_logq, rewards,
+                        tuple(tr.group_id for tr in trajs))

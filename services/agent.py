@@ -1,0 +1,250 @@
+"""The search-agent loop: Search-R1's multi-turn protocol, token-in/token-out.
+
+Protocol (format of Search-R1, `search_r1/llm_agent/generation.py`; the wording here is ours): the policy thinks
+in `<think>`, searches with `<search>query</search>`, receives `<information>...</information>` and finishes
+with `<answer>...</answer>`. An unparsable turn gets a corrective message; the loop stops after `max_turns`
+generations. The trajectory's ids are exactly the sampled ids plus the inserted ids (observations, corrective
+messages), each inserted piece tokenised once on its own; nothing is decoded and re-tokenised. Sampled tokens
+carry loss mask 1 and their behaviour log-prob / top-K; inserted tokens carry mask 0, 0.0 and zero rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from sisrl.services.engines.base import Engine, SamplingParams
+from sisrl.services.retrieval_client import Passage
+from sisrl.services.timing import BusyClock
+from transformers import PreTrainedTokenizerBase
+
+INSTRUCTIONS = (
+    "Answer the question below. Every time you receive new information, reason about it first inside "
+    "<think> and </think>. If some knowledge is missing, look it up by writing a search query as "
+    "<search> query </search>; the best matching passages will come back between <information> and "
+    "</information>. Search as many times as you need. Once you know the answer, give only the answer, "
+    "without explanation, inside <answer> and </answer>, for example <answer> Paris </answer>."
+)
+CORRECTIVE = (
+    "\nThat action was not valid. To search, put the query between <search> and </search>. "
+    "To finish, put the final answer between <answer> and </answer>. Try again.\n"
+)
+INFO_OPEN = "\n\n<information>"
+INFO_CLOSE = "</information>\n\n"
+_ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+class Searcher(Protocol):
+    async def search(self, query: str) -> list[Passage]: ...
+
+
+def render_passages(passages: list[Passage]) -> str:
+    """Search-R1 rendering: one `Doc i(Title: T) text` line per passage, i from 1."""
+    return "".join(f"Doc {i}(Title: {p.title}) {p.text}\n" for i, p in enumerate(passages, start=1))
+
+
+def parse_action(text: str) -> tuple[str, str] | None:
+    """The first complete `<search>` or `<answer>` of one turn as (kind, content), None when there is none."""
+    match = _ACTION_RE.search(text)
+    return (match.group(1), match.group(2).strip()) if match else None
+
+
+class SearchR1Protocol:
+    """Prompt and observation token ids of the protocol for one tokenizer (inserted pieces cached)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, observation_max_tokens: int = 512) -> None:
+        self.tokenizer = tokenizer
+        self._open = self.encode(INFO_OPEN)
+        self._close = self.encode(INFO_CLOSE)
+        self.corrective_ids = self.encode(CORRECTIVE)
+        self.body_budget = observation_max_tokens - len(self._open) - len(self._close)
+        if self.body_budget < 1:
+            raise ValueError(f"observation_max_tokens={observation_max_tokens} leaves no room inside the tags")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The chat-templated user turn plus the assistant header (the policy writes the assistant turn)."""
+        messages = [{"role": "user", "content": f"{INSTRUCTIONS}\nQuestion: {question.strip()}\n"}]
+        out: Any = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return [int(tok) for tok in out["input_ids"]]
+
+    def observation_ids(self, passages: list[Passage]) -> list[int]:
+        """`<information>` + rendered passages cut to the token budget + `</information>` (never cut)."""
+        body = self.encode(render_passages(passages))[: self.body_budget]
+        return self._open + body + self._close
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 4  # generations per trajectory
+    max_response_tokens: int = 2048  # sampled + inserted tokens per trajectory
+
+
+@dataclass
+class SearchTurn:
+    query: str
+    doc_ids: list[str]
+    scores: list[float]
+
+
+@dataclass
+class Rollout:
+    """What the loop produced; per-token lists have len(response_ids) entries, top-K rows have K entries."""
+
+    prompt_ids: list[int]
+    k: int
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    turn_texts: list[str] = field(default_factory=list)
+    valid_actions: int = 0
+    searches: list[SearchTurn] = field(default_factory=list)
+    finish_reason: str = "max_turns"
+    error: str | None = None
+    policy_version: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def add_sampled(self, ids: list[int], logprobs: list[float], topk_ids: list[list[int]],
+                    topk_logprobs: list[list[float]]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.topk_ids += topk_ids
+        self.topk_logprobs += topk_logprobs
+
+    def add_inserted(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.topk_ids += [[0] * self.k for _ in ids]
+        self.topk_logprobs += [[0.0] * self.k for _ in ids]
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
+
+
+class TurnBarrier:
+    """Turn-synchronous mode (benchmark only): no trajectory starts turn t+1 before all live ones end turn t."""
+
+    def __init__(self, parties: int) -> None:
+        self._parties = parties
+        self._arrived = 0
+        self._generation = 0
+        self._cond = asyncio.Condition()
+
+    async def wait(self) -> None:
+        async with self._cond:
+            self._arrived += 1
+            generation = self._generation
+            if self._arrived >= self._parties:
+                self._release()
+            else:
+                await self._cond.wait_for(lambda: self._generation != generation)
+
+    async def leave(self) -> None:
+        async with self._cond:
+            self._parties -= 1
+            if self._arrived and self._arrived >= self._parties:
+                self._release()
+
+    def _release(self) -> None:
+        self._arrived = 0
+        self._generation += 1
+        self._cond.notify_all()
+
+
+async def run_agent(
+    *,
+    engine: Engine,
+    searcher: Searcher,
+    protocol: SearchR1Protocol,
+    question: str,
+    params: SamplingParams,
+    limits: AgentLimits,
+    clock: BusyClock | None = None,
+    barrier: TurnBarrier | None = None,
+) -> Rollout:
+    """Roll out one trajectory; engine and retriever failures end it with `finish_reason="error"`."""
+    clock = clock or BusyClock()
+    rollout = Rollout(prompt_ids=protocol.prompt_ids(question), k=params.logprobs_k)
+    start = time.perf_counter()
+    try:
+        await _loop(engine, searcher, protocol, rollout, params, limits, clock, barrier)
+    finally:
+        if barrier is not None:
+            await barrier.leave()
+        rollout.timings["total_s"] = time.perf_counter() - start
+    return rollout
+
+
+async def _loop(engine: Engine, searcher: Searcher, protocol: SearchR1Protocol, rollout: Rollout,
+                params: SamplingParams, limits: AgentLimits, clock: BusyClock, barrier: TurnBarrier | None) -> None:
+    for turn in range(limits.max_turns):
+        budget = limits.max_response_tokens - len(rollout.response_ids)
+        if budget <= 0:
+            rollout.finish_reason = "length"
+            return
+        if barrier is not None:
+            await barrier.wait()
+        turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, budget),
+                              seed=None if params.seed is None else (params.seed + turn) % 2**31)
+        t0 = time.perf_counter()
+        try:
+            with clock.span("engine"):
+                gen = await engine.generate(rollout.prompt_ids + rollout.response_ids, turn_params)
+            gen.validate(params.logprobs_k)
+        except Exception as exc:  # the trajectory records the failure instead of vanishing
+            rollout.finish_reason, rollout.error = "error", f"engine: {type(exc).__name__}: {exc}"
+            return
+        finally:
+            rollout.add_time("engine_s", time.perf_counter() - t0)
+        if rollout.policy_version is None:
+            rollout.policy_version = gen.policy_version
+        rollout.add_sampled(gen.token_ids, gen.logprobs, gen.topk_ids, gen.topk_logprobs)
+        text = protocol.decode(gen.token_ids)
+        rollout.turn_texts.append(text)
+        action = parse_action(text)
+        if action is not None:
+            rollout.valid_actions += 1
+        if action is not None and action[0] == "answer":
+            rollout.finish_reason = "answer"
+            return
+        if action is None and gen.finish_reason == "eos":
+            rollout.finish_reason = "eos"
+            return
+        if turn == limits.max_turns - 1:
+            return  # no turn left to use an observation: finish_reason stays "max_turns"
+        if action is None:
+            rollout.add_inserted(protocol.corrective_ids)
+            continue
+        if not await _search(searcher, protocol, rollout, action[1], clock):
+            return
+
+
+async def _search(searcher: Searcher, protocol: SearchR1Protocol, rollout: Rollout, query: str,
+                  clock: BusyClock) -> bool:
+    t0 = time.perf_counter()
+    try:
+        with clock.span("retriever"):
+            passages = await searcher.search(query)
+    except Exception as exc:
+        rollout.finish_reason, rollout.error = "error", f"retriever: {type(exc).__name__}: {exc}"
+        return False
+    finally:
+        rollout.add_time("retriever_s", time.perf_counter() - t0)
+    rollout.searches.append(SearchTurn(query=query, doc_ids=[p.id for p in passages],
+                                       scores=[p.score for p in passages]))
+    rollout.add_inserted(protocol.observation_ids(passages))
+    return True

@@ -1,0 +1,64 @@
+"""`sisrl-gateway serve`: run the rollout gateway (options mirror GatewaySettings; env vars fill the rest)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+from pydantic import ValidationError
+from sisrl.services.settings import GatewaySettings
+
+_TYPES: dict[Any, type] = {int: int, float: float, str: str, Path: Path}
+
+
+def _arg_type(annotation: Any) -> type:
+    options = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    return _TYPES.get(options[0], str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sisrl-gateway", description="sisrl rollout gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the gateway API (see docs/gateway.md)",
+                           description="Serve the rollout gateway. Every option can also be set by its env var.")
+    for name, info in GatewaySettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"SISRL_GATEWAY_{name.upper()}"
+        default = "unset" if info.default is None else info.default
+        serve.add_argument(flag, dest=name, type=_arg_type(info.annotation), default=None,
+                           help=f"{info.description or name} (default: {default}; env {env})")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> GatewaySettings:
+    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    try:
+        return GatewaySettings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}" if err["loc"] else err["msg"]
+            for err in exc.errors()
+        )
+        parser.error(problems)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args, parser)
+    import uvicorn
+    from sisrl.services.app import create_app
+    from sisrl.services.middleware import configure_logging
+
+    configure_logging(settings.log_level)
+    print(f"sisrl-gateway: serving on http://{settings.host}:{settings.port} (engine {settings.engine})",
+          file=sys.stderr)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
+                log_level=settings.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

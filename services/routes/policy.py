@@ -1,0 +1,43 @@
+"""`/v1/policy`: load new policy weights into the engine (paths only under the checkpoint root)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, HTTPException, status
+from sisrl.services.deps import StateDep
+from sisrl.services.schemas import PolicyPublic, PolicyUpdate
+
+router = APIRouter(prefix="/v1/policy", tags=["policy"])
+
+
+def resolve_checkpoint(root: Path, path: str) -> Path:
+    """`path` (absolute, or relative to `root`) resolved; HTTPException unless it is a directory under `root`."""
+    base = root.resolve()
+    if "\x00" in path:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail="path contains a NUL byte")
+    target = (base / path).resolve()
+    if not target.is_relative_to(base):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"path {path!r} is outside the checkpoint root {base}")
+    if not target.is_dir():
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"checkpoint directory {str(target)!r} not found")
+    return target
+
+
+@router.get("", response_model=PolicyPublic, summary="The policy version and path loaded in the engine")
+def get_policy(state: StateDep) -> PolicyPublic:
+    return PolicyPublic(policy_version=state.engine.policy_version, path=state.policy_path)
+
+
+@router.post("", response_model=PolicyPublic, summary="Load a checkpoint into the engine")
+async def load_policy(body: PolicyUpdate, state: StateDep) -> PolicyPublic:
+    target = resolve_checkpoint(state.settings.checkpoint_root, body.path)
+    async with state.policy_lock:
+        try:
+            await state.engine.load_weights(str(target), body.version)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+                                detail=f"could not load {str(target)!r}: {type(exc).__name__}: {exc}") from exc
+        state.policy_path = str(target)
+        state.metrics.policy_version.set(body.version)
+    return PolicyPublic(policy_version=state.engine.policy_version, path=state.policy_path)

@@ -1,0 +1,129 @@
+"""`/v1/rollouts`: submit a batch of rollouts; list and read stored trajectories."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.concurrency import run_in_threadpool
+from sisrl.services import store
+from sisrl.services.deps import SessionDep, StateDep
+from sisrl.services.rewards import reward_spec
+from sisrl.services.schemas import BatchCreated, FinishReason, RolloutCreate, RolloutPage, Trajectory
+from sisrl.services.state import GatewayState
+
+router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
+
+
+def _check_sources(state: GatewayState, body: RolloutCreate) -> None:
+    for item in body.items:
+        try:
+            reward_spec(item.data_source, state.runner.deps.reward_specs)
+        except ValueError as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"item {item.id!r}: {exc}") from exc
+
+
+def _reserve(state: GatewayState, n: int) -> None:
+    limit = state.settings.max_pending
+    if n > limit:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+                            detail=f"batch of {n} trajectories exceeds max_pending={limit}; split it")
+    if state.runner.pending + n > limit:
+        state.metrics.rejected.inc()
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": "1"},
+                            detail=f"{state.runner.pending} trajectories pending, {n} more exceed max_pending={limit}")
+
+
+def _all_pairs(body: RolloutCreate) -> list[tuple[int, int]]:
+    return [(i, s) for i in range(len(body.items)) for s in range(body.samples_per_item)]
+
+
+async def _resume(state: GatewayState, row: store.BatchRow, body: RolloutCreate) -> BatchCreated:
+    """Same idempotency key again: finished or running batches are returned; interrupted ones resume."""
+    if state.runner.is_running(row.id) or row.status in ("done", "failed"):
+        return BatchCreated(batch_id=row.id, status="running" if state.runner.is_running(row.id) else row.status)  # type: ignore[arg-type]
+
+    def missing() -> list[tuple[int, int]]:
+        with state.sessions() as session:
+            done = store.done_samples(session=session, batch_id=row.id)
+        return [(i, s) for i, s in _all_pairs(body) if (body.items[i].id, s) not in done]
+
+    todo = await run_in_threadpool(missing)
+    _reserve(state, len(todo))
+    await run_in_threadpool(_set_status, state, row.id, "running")
+    state.runner.start(batch_id=row.id, request=body, todo=todo)
+    return BatchCreated(batch_id=row.id, status="running")
+
+
+def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
+    with state.sessions() as session:
+        store.set_batch_status(session=session, batch_id=batch_id, status=value)
+
+
+@router.post("", response_model=BatchCreated, summary="Submit a batch of rollouts")
+async def create_rollouts(body: RolloutCreate, state: StateDep) -> BatchCreated:
+    """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work:
+    it returns the same batch, and an interrupted batch runs only its missing samples."""
+    _check_sources(state, body)
+    if len({item.id for item in body.items}) != len(body.items):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail="item ids must be unique within a batch")
+    payload = body.model_dump(mode="json")
+    fingerprint = store.request_fingerprint(payload)
+    async with state.submit_lock:
+        if body.idempotency_key is not None:
+            row = await run_in_threadpool(_by_key, state, body.idempotency_key)
+            if row is not None:
+                if row.request_hash != fingerprint:
+                    raise HTTPException(status.HTTP_409_CONFLICT,
+                                        detail=f"idempotency_key {body.idempotency_key!r} was used for another request")
+                return await _resume(state, row, body)
+        todo = _all_pairs(body)
+        _reserve(state, len(todo))
+        batch_id = uuid.uuid4().hex
+        await run_in_threadpool(_create, state, batch_id, body, fingerprint, payload)
+        state.runner.start(batch_id=batch_id, request=body, todo=todo)
+    return BatchCreated(batch_id=batch_id, status="running")
+
+
+def _by_key(state: GatewayState, key: str) -> store.BatchRow | None:
+    with state.sessions() as session:
+        return store.get_batch_by_key(session=session, idempotency_key=key)
+
+
+def _create(state: GatewayState, batch_id: str, body: RolloutCreate, fingerprint: str, payload: dict[str, object]) -> None:
+    with state.sessions() as session:
+        store.create_batch(session=session, batch_id=batch_id, run=body.run, step=body.step,
+                           idempotency_key=body.idempotency_key, request_hash=fingerprint,
+                           request_json=json.dumps(payload), total=len(body.items) * body.samples_per_item)
+
+
+@router.get("", response_model=RolloutPage, summary="List stored trajectories")
+def list_rollouts(
+    session: SessionDep,
+    run: Annotated[str | None, Query(max_length=256)] = None,
+    step_min: Annotated[int | None, Query(ge=0)] = None,
+    step_max: Annotated[int | None, Query(ge=0)] = None,
+    data_source: Annotated[str | None, Query(max_length=64)] = None,
+    reward_min: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    reward_max: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    finish_reason: FinishReason | None = None,
+    cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,18}$", description="next_cursor of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> RolloutPage:
+    rows, next_seq = store.list_trajectories(
+        session=session, run=run, step_min=step_min, step_max=step_max, data_source=data_source,
+        reward_min=reward_min, reward_max=reward_max, finish_reason=finish_reason,
+        after_seq=int(cursor) if cursor else 0, limit=limit,
+    )
+    data = [store.to_summary(row) for row in rows]
+    return RolloutPage(data=data, count=len(data), next_cursor=None if next_seq is None else str(next_seq))
+
+
+@router.get("/{trajectory_id}", response_model=Trajectory, summary="One trajectory with its token arrays")
+def get_rollout(trajectory_id: str, session: SessionDep) -> Trajectory:
+    row = store.get_trajectory(session=session, trajectory_id=trajectory_id)
+    if row is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"trajectory {trajectory_id!r} not found")
+    return store.to_trajectory(row)

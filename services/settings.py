@@ -1,0 +1,62 @@
+"""Gateway settings: pydantic-settings with the `SISRL_GATEWAY_` env prefix, validated at load.
+
+The CLI builds a `GatewaySettings` from its options; `create_app(settings)` takes it. Nothing is read at import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENGINES = ("local", "vllm-http", "vllm", "scripted")
+
+
+class GatewaySettings(BaseSettings):
+    """Every option of the gateway; env var = `SISRL_GATEWAY_` + field name in upper case."""
+
+    model_config = SettingsConfigDict(env_prefix="SISRL_GATEWAY_", extra="forbid")
+
+    engine: str = Field(default="local", description=f"inference engine: one of {ENGINES}")
+    model: str = Field(default="smollm2-135m-instruct", description="policy model name, directory or hub id")
+    tokenizer: str | None = Field(default=None, description="tokenizer directory or id (default: the model)")
+    engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http)")
+    script: Path | None = Field(default=None, description="JSON script of the scripted policy (engine scripted)")
+    retriever_url: str = Field(default="http://127.0.0.1:8000", description="Search-R1 compatible retriever")
+    db_url: str = Field(default="sqlite:///gateway.db", description="SQLAlchemy URL of the rollout store")
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8100, ge=1, le=65535)
+    api_token: str | None = Field(default=None, description="bearer token for every non-health route (unset = open)")
+    checkpoint_root: Path = Field(default=Path("checkpoints"), description="POST /v1/policy paths must lie under it")
+    topk: int = Field(default=3, ge=1, le=50, description="passages per search")
+    observation_max_tokens: int = Field(default=512, ge=16, le=8192, description="token budget of one observation")
+    max_response_tokens: int = Field(default=2048, ge=16, le=65536, description="response budget per trajectory")
+    max_concurrency: int = Field(default=64, ge=1, le=4096, description="trajectories generating at once")
+    max_pending: int = Field(default=4096, ge=1, le=10**6, description="queued + running trajectories before 429")
+    max_request_bytes: int = Field(default=8 * 2**20, ge=1024, le=2**30, description="request body limit")
+    format_weight: float = Field(default=0.0, ge=0.0, le=1.0, description="weight of the format reward")
+    retriever_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    retriever_retries: int = Field(default=4, ge=0, le=20, description="retries after the first attempt")
+    retriever_backoff_s: float = Field(default=0.5, ge=0, le=60, description="first retry delay, doubled per retry")
+    retriever_batch_size: int = Field(default=64, ge=1, le=4096, description="queries per coalesced request")
+    retriever_window_ms: float = Field(default=2.0, ge=0, le=1000, description="wait to coalesce queries")
+    log_level: str = Field(default="info", description="debug | info | warning | error")
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: unknown engine {self.engine!r}, expected one of {ENGINES}")
+        if self.engine == "vllm-http" and not self.engine_url:
+            raise ValueError("engine_url: required with engine 'vllm-http' (e.g. http://127.0.0.1:8001)")
+        if self.engine == "scripted" and self.script is None:
+            raise ValueError("script: required with engine 'scripted' (a JSON file, see docs/gateway.md)")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")
+        if self.api_token is not None and len(self.api_token) < 8:
+            raise ValueError("api_token: expected at least 8 characters")
+        if self.max_concurrency > self.max_pending:
+            raise ValueError(
+                f"max_concurrency ({self.max_concurrency}) must not exceed max_pending ({self.max_pending})"
+            )
+        return self

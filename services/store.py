@@ -1,0 +1,311 @@
+"""The rollout store: SQLAlchemy over SQLite (WAL) by default, Postgres by URL.
+
+Token arrays are stored as little-endian numpy bytes (int32 ids, uint8 mask, float32 log-probs, top-K as a
+flattened [time, K] block plus K), never as JSON lists. Trajectories are indexed by run, step, data source,
+reward and finish reason; `seq` (insertion order) is the pagination cursor. Functions are keyword-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+from sisrl.services.schemas import RewardParts, StepStats, Trajectory, TrajectorySummary, Turn
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class BatchRow(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run: Mapped[str] = mapped_column(String(256), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    request_json: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    total: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class TrajectoryRow(Base):
+    __tablename__ = "trajectories"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "item_id", "sample_index", name="uq_trajectory_sample"),
+        Index("ix_traj_run_step", "run", "step"),
+    )
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"), index=True)
+    item_id: Mapped[str] = mapped_column(String(256))
+    sample_index: Mapped[int] = mapped_column(Integer)
+    group_id: Mapped[str] = mapped_column(String(64))
+    run: Mapped[str] = mapped_column(String(256))
+    step: Mapped[int] = mapped_column(Integer)
+    data_source: Mapped[str] = mapped_column(String(64), index=True)
+    question: Mapped[str] = mapped_column(Text)
+    golden_answers: Mapped[list[str]] = mapped_column(JSON)
+    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    response_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    loss_mask: Mapped[bytes] = mapped_column(LargeBinary)
+    behaviour_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    topk_k: Mapped[int] = mapped_column(Integer)
+    topk_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    topk_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    turns: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    num_searches: Mapped[int] = mapped_column(Integer)
+    response_len: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(16), index=True)
+    answer: Mapped[str | None] = mapped_column(Text, nullable=True)
+    reward: Mapped[float] = mapped_column(Float, index=True)
+    em: Mapped[float] = mapped_column(Float)
+    f1: Mapped[float] = mapped_column(Float)
+    format: Mapped[float] = mapped_column(Float)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    timings: Mapped[dict[str, float]] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+def open_db(url: str) -> sessionmaker[Session]:
+    """Create the tables if needed and return a session factory; SQLite gets WAL and a busy timeout."""
+    is_sqlite = url.startswith("sqlite")
+    connect_args = {"check_same_thread": False, "timeout": 30} if is_sqlite else {}
+    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
+    if is_sqlite:
+        event.listen(engine, "connect", _sqlite_pragmas)
+    Base.metadata.create_all(engine)
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets readers (the REST API) run while the batch runner writes; synchronous=NORMAL is durable in WAL.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def dispose(factory: sessionmaker[Session]) -> None:
+    bind = factory.kw["bind"]
+    if isinstance(bind, Engine):
+        bind.dispose()
+
+
+# ---- batches ---------------------------------------------------------------------------------------------------
+def create_batch(
+    *, session: Session, batch_id: str, run: str, step: int, idempotency_key: str | None,
+    request_hash: str, request_json: str, total: int,
+) -> BatchRow:
+    row = BatchRow(
+        id=batch_id, run=run, step=step, idempotency_key=idempotency_key, request_hash=request_hash,
+        request_json=request_json, status="running", total=total,
+    )
+    session.add(row)
+    session.commit()
+    return row
+
+
+def get_batch(*, session: Session, batch_id: str) -> BatchRow | None:
+    return session.get(BatchRow, batch_id)
+
+
+def get_batch_by_key(*, session: Session, idempotency_key: str) -> BatchRow | None:
+    return session.scalars(select(BatchRow).where(BatchRow.idempotency_key == idempotency_key)).first()
+
+
+def set_batch_status(*, session: Session, batch_id: str, status: str) -> None:
+    session.execute(update(BatchRow).where(BatchRow.id == batch_id).values(status=status))
+    session.commit()
+
+
+def mark_interrupted(*, session: Session) -> int:
+    """Batches left `running` by a previous process become `partial`; returns how many."""
+    result = session.execute(update(BatchRow).where(BatchRow.status == "running").values(status="partial"))
+    session.commit()
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def done_samples(*, session: Session, batch_id: str) -> set[tuple[str, int]]:
+    rows = session.execute(
+        select(TrajectoryRow.item_id, TrajectoryRow.sample_index).where(TrajectoryRow.batch_id == batch_id)
+    )
+    return {(item_id, idx) for item_id, idx in rows}
+
+
+def count_errors(*, session: Session, batch_id: str) -> tuple[int, int]:
+    """(trajectories, trajectories with an error) of a batch."""
+    row = session.execute(
+        select(func.count(), func.count(TrajectoryRow.error)).where(TrajectoryRow.batch_id == batch_id)
+    ).one()
+    return int(row[0]), int(row[1])
+
+
+# ---- trajectories ----------------------------------------------------------------------------------------------
+def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: int) -> bool:
+    """Insert one trajectory; False (and nothing written) when that (batch, item, sample) is already stored."""
+    t = trajectory
+    exists = session.scalar(
+        select(TrajectoryRow.seq).where(
+            TrajectoryRow.batch_id == t.batch_id, TrajectoryRow.item_id == t.item_id,
+            TrajectoryRow.sample_index == sample_index,
+        )
+    )
+    if exists is not None:
+        return False
+    k = len(t.topk_ids[0]) if t.topk_ids else 0
+    session.add(TrajectoryRow(
+        id=t.id, batch_id=t.batch_id, item_id=t.item_id, sample_index=sample_index, group_id=t.group_id,
+        run=t.run, step=t.step, data_source=t.data_source, question=t.question, golden_answers=t.golden_answers,
+        prompt_ids=_pack(t.prompt_ids, np.int32), response_ids=_pack(t.response_ids, np.int32),
+        loss_mask=_pack(t.loss_mask, np.uint8), behaviour_logprobs=_pack(t.behaviour_logprobs, np.float32),
+        topk_k=k, topk_ids=_pack(t.topk_ids, np.int32), topk_logprobs=_pack(t.topk_logprobs, np.float32),
+        turns=[turn.model_dump() for turn in t.turns], num_searches=len(t.turns), response_len=len(t.response_ids),
+        finish_reason=t.finish_reason, answer=t.answer, reward=t.reward, em=t.reward_parts.em,
+        f1=t.reward_parts.f1, format=t.reward_parts.format, policy_version=t.policy_version,
+        timings=t.timings, error=t.error,
+    ))
+    session.commit()
+    return True
+
+
+def _pack(values: Sequence[Any], dtype: type[np.generic]) -> bytes:
+    return np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def _unpack(raw: bytes, dtype: type[np.generic]) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
+def to_trajectory(row: TrajectoryRow) -> Trajectory:
+    k = row.topk_k
+    topk_ids = _unpack(row.topk_ids, np.int32).reshape(-1, k) if k else np.zeros((0, 0), np.int32)
+    topk_lp = _unpack(row.topk_logprobs, np.float32).reshape(-1, k) if k else np.zeros((0, 0), np.float32)
+    return Trajectory(
+        id=row.id, batch_id=row.batch_id, item_id=row.item_id, group_id=row.group_id, run=row.run,
+        step=row.step, data_source=row.data_source, question=row.question, golden_answers=row.golden_answers,
+        prompt_ids=_unpack(row.prompt_ids, np.int32).tolist(),
+        response_ids=_unpack(row.response_ids, np.int32).tolist(),
+        loss_mask=_unpack(row.loss_mask, np.uint8).tolist(),
+        behaviour_logprobs=_unpack(row.behaviour_logprobs, np.float32).tolist(),
+        topk_ids=topk_ids.tolist(), topk_logprobs=topk_lp.tolist(),
+        turns=[Turn(**turn) for turn in row.turns], finish_reason=row.finish_reason,  # type: ignore[arg-type]
+        answer=row.answer, reward=row.reward, reward_parts=RewardParts(em=row.em, f1=row.f1, format=row.format),
+        policy_version=row.policy_version, timings=row.timings, error=row.error,
+    )
+
+
+def to_summary(row: TrajectoryRow) -> TrajectorySummary:
+    return TrajectorySummary(
+        id=row.id, batch_id=row.batch_id, item_id=row.item_id, group_id=row.group_id, run=row.run,
+        step=row.step, data_source=row.data_source, finish_reason=row.finish_reason,  # type: ignore[arg-type]
+        answer=row.answer, reward=row.reward, reward_parts=RewardParts(em=row.em, f1=row.f1, format=row.format),
+        num_searches=row.num_searches, response_len=row.response_len, policy_version=row.policy_version,
+        error=row.error,
+    )
+
+
+def batch_trajectories(*, session: Session, batch_id: str, after_seq: int = 0) -> list[tuple[int, TrajectoryRow]]:
+    rows = session.scalars(
+        select(TrajectoryRow).where(TrajectoryRow.batch_id == batch_id, TrajectoryRow.seq > after_seq)
+        .order_by(TrajectoryRow.seq)
+    )
+    return [(row.seq, row) for row in rows]
+
+
+def get_trajectory(*, session: Session, trajectory_id: str) -> TrajectoryRow | None:
+    return session.scalars(select(TrajectoryRow).where(TrajectoryRow.id == trajectory_id)).first()
+
+
+def list_trajectories(
+    *, session: Session, run: str | None = None, step_min: int | None = None, step_max: int | None = None,
+    data_source: str | None = None, reward_min: float | None = None, reward_max: float | None = None,
+    finish_reason: str | None = None, after_seq: int = 0, limit: int = 100,
+) -> tuple[list[TrajectoryRow], int | None]:
+    """One page of trajectories in insertion order, and the cursor of the next page (None on the last)."""
+    query = select(TrajectoryRow).where(TrajectoryRow.seq > after_seq)
+    col = TrajectoryRow
+    if run is not None:
+        query = query.where(col.run == run)
+    if step_min is not None:
+        query = query.where(col.step >= step_min)
+    if step_max is not None:
+        query = query.where(col.step <= step_max)
+    if data_source is not None:
+        query = query.where(col.data_source == data_source)
+    if reward_min is not None:
+        query = query.where(col.reward >= reward_min)
+    if reward_max is not None:
+        query = query.where(col.reward <= reward_max)
+    if finish_reason is not None:
+        query = query.where(col.finish_reason == finish_reason)
+    rows = list(session.scalars(query.order_by(TrajectoryRow.seq).limit(limit + 1)))
+    if len(rows) > limit:
+        return rows[:limit], rows[limit - 1].seq
+    return rows, None
+
+
+def run_stats(*, session: Session, run: str) -> list[StepStats]:
+    """Per step: trajectories, mean reward, EM per data source, searches, response length, finish reasons."""
+    cols = (TrajectoryRow.step, TrajectoryRow.data_source, TrajectoryRow.finish_reason)
+    rows = session.execute(
+        select(*cols, func.count(), func.sum(TrajectoryRow.reward), func.sum(TrajectoryRow.em),
+               func.sum(TrajectoryRow.num_searches), func.sum(TrajectoryRow.response_len))
+        .where(TrajectoryRow.run == run).group_by(*cols).order_by(TrajectoryRow.step)
+    ).all()
+    acc: dict[int, dict[str, Any]] = {}
+    for step, source, finish, n, reward, em, searches, length in rows:
+        s = acc.setdefault(step, {"n": 0, "reward": 0.0, "searches": 0, "len": 0, "em": {}, "finish": {}})
+        s["n"] += n
+        s["reward"] += reward
+        s["searches"] += searches
+        s["len"] += length
+        em_n, em_sum = s["em"].get(source, (0, 0.0))
+        s["em"][source] = (em_n + n, em_sum + em)
+        s["finish"][finish] = s["finish"].get(finish, 0) + n
+    return [
+        StepStats(
+            step=step, trajectories=s["n"], reward_mean=s["reward"] / s["n"],
+            em_by_source={src: total / count for src, (count, total) in sorted(s["em"].items())},
+            searches_mean=s["searches"] / s["n"], response_len_mean=s["len"] / s["n"], finish_reasons=s["finish"],
+        )
+        for step, s in sorted(acc.items())
+    ]
+
+
+def request_fingerprint(body: dict[str, Any]) -> str:
+    """A stable hash of a rollout request without its idempotency key (to detect a reused key)."""
+    payload = {k: v for k, v in body.items() if k != "idempotency_key"}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,228 @@
+"""Fixtures of the gateway tests: a tiny policy on disk, a real retriever over shared passages, and gateways
+started as real uvicorn subprocesses on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+GATEWAY_TOKEN = "test-token-123456"
+NQ_QUESTIONS = 6  # nq/dev questions whose gold passages go into the small index
+OTHER_PASSAGES = 50
+SEED = 7
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 180.0) -> None:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"{url} did not become healthy in {timeout}s: {log.read_text()[-3000:]}")
+
+
+def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny Llama with the real SmolLM2 tokenizer, saved as an HF directory."""
+    from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_policy")
+    tokenizer = load_tokenizer()
+    build_tiny_policy(tokenizer, seed=0).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@dataclass(frozen=True)
+class QASubset:
+    corpus: Path
+    titles: dict[str, str]  # passage id -> title line
+    nq: list[dict[str, Any]]  # the nq/dev records whose gold passages are indexed
+
+
+@pytest.fixture(scope="session")
+def qa_subset(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> QASubset:
+    """Real passages: the gold passages of the first nq/dev questions plus a fixed random sample of others."""
+    with (shared_data / "nq" / "dev.jsonl").open(encoding="utf-8") as handle:
+        nq = [json.loads(line) for _, line in zip(range(NQ_QUESTIONS), handle, strict=False)]
+    gold = {pid for rec in nq for pid in rec["metadata"]["gold_passage_ids"]}
+    lines = (shared_data / "corpus" / "wiki_passages.jsonl").read_text(encoding="utf-8").splitlines()
+    others = random.Random(SEED).sample(range(len(lines)), OTHER_PASSAGES)
+    keep = [json.loads(lines[i]) for i in sorted(set(others))]
+    keep = [doc for doc in keep if doc["id"] not in gold] + [json.loads(lines[int(pid)]) for pid in sorted(gold)]
+    assert all(doc["id"] in gold for doc in keep[-len(gold):]), "passage ids are line numbers in the corpus"
+    corpus = tmp_path_factory.mktemp("qa_corpus") / "passages.jsonl"
+    corpus.write_text("".join(json.dumps(doc) + "\n" for doc in keep), encoding="utf-8")
+    titles = {doc["id"]: doc["contents"].split("\n", 1)[0] for doc in keep}
+    return QASubset(corpus=corpus, titles=titles, nq=nq)
+
+
+@pytest.fixture(scope="session")
+def retriever_url(qa_subset: QASubset, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`sisrl-retriever serve` (MiniLM, exact index built by the server) over the passage subset, a subprocess."""
+    index = tmp_path_factory.mktemp("qa_index")
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "retriever.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--corpus",
+         str(qa_subset.corpus), "--encoder", "minilm", "--port", str(port), "--log-level", "warning"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, log)
+    yield url
+    stop_process(process)
+
+
+@dataclass
+class Gateway:
+    """A `sisrl-gateway serve` subprocess; `client` carries the bearer token when one is set."""
+
+    url: str
+    args: list[str]
+    db_url: str
+    log: Path
+    process: subprocess.Popen[bytes]
+    token: str | None = None
+    client: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def wait_batch(self, batch_id: str, timeout: float = 120.0) -> dict[str, Any]:
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            body: dict[str, Any] = self.client.get(f"/v1/batches/{batch_id}").raise_for_status().json()
+            if body["status"] != "running":
+                return body
+            time.sleep(0.1)
+        raise TimeoutError(f"batch {batch_id} still running after {timeout}s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.client.close()
+        stop_process(self.process, sig)
+
+
+GatewayFactory = Callable[..., Gateway]
+
+
+@pytest.fixture(scope="session")
+def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayFactory]:
+    """Factory: start a gateway with the given CLI options (db defaults to a fresh SQLite file)."""
+    started: list[Gateway] = []
+
+    def start(*options: str, db_url: str | None = None, token: str | None = None) -> Gateway:
+        tmp = tmp_path_factory.mktemp("gateway")
+        db_url = db_url or f"sqlite:///{tmp / 'rollouts.db'}"
+        port = free_port()
+        args = ["serve", "--port", str(port), "--db-url", db_url, "--checkpoint-root", str(tmp), *options]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "SISRL_GATEWAY_LOG_LEVEL": "warning"}
+        env.pop("SISRL_GATEWAY_API_TOKEN", None)
+        if token is not None:
+            env["SISRL_GATEWAY_API_TOKEN"] = token
+        log = tmp / "gateway.log"
+        process = subprocess.Popen([sys.executable, "-m", "sisrl.services.cli", *args],
+                                   stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, log)
+        gateway = Gateway(url=url, args=args, db_url=db_url, log=log, process=process, token=token)
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+def rollout_body(items: list[dict[str, Any]], **overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"run": "test", "step": 0, "policy_version": 0, "items": items, "samples_per_item": 1,
+                            "sampling": {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+                                         "logprobs_k": 5, "seed": 1},
+                            "max_turns": 2, "idempotency_key": None}
+    body.update(overrides)
+    return body
+
+
+def nq_item(record: dict[str, Any]) -> dict[str, Any]:
+    return {"id": record["id"], "question": record["question"], "golden_answers": record["golden_answers"],
+            "data_source": "nq"}
+
+
+@pytest.fixture(scope="session")
+def make_body() -> Callable[..., dict[str, Any]]:
+    """Builder of `POST /v1/rollouts` bodies (keyword overrides replace top-level fields)."""
+    return rollout_body
+
+
+@pytest.fixture(scope="session")
+def to_item() -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """An nq/dev record as a rollout item."""
+    return nq_item
+
+
+# --- engines: the OpenAI-compatible policy server (sisrl.services.engines.openai_server) ---------------------
+
+
+@dataclass
+class PolicyServer:
+    """`python -m sisrl.services.engines.openai_server` over the tiny policy; weights load from `checkpoint_root`."""
+
+    url: str
+    checkpoint_root: Path
+    log: Path
+    process: subprocess.Popen[bytes]
+
+
+@pytest.fixture(scope="session")
+def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
+    """One policy server for the session (max_tokens capped at 16 so schema fuzzing stays fast)."""
+    root = tmp_path_factory.mktemp("policy_checkpoints")
+    log = tmp_path_factory.mktemp("policy_server") / "server.log"
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("SISRL_ENGINE_API_TOKEN", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sisrl.services.engines.openai_server", "--model", str(tiny_policy_dir),
+         "--port", str(port), "--checkpoint-root", str(root), "--max-tokens", "16", "--log-level", "warning"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, log)
+    yield PolicyServer(url=url, checkpoint_root=root, log=log, process=process)
+    stop_process(process)

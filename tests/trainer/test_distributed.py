@@ -1,0 +1,69 @@
+"""2-process gloo DDP: one update equals the single-process update on the same batch.
+
+The batch has 7 sequences, so the ranks get 4 and 3 rows (+1 zero-mask pad row): global token counts, the
+seq-mean rescaling and micro-batch accumulation must all be right for the sums to agree. The optimizer is SGD
+with lr 1, so the parameter change is the gradient itself. Tolerance: atol 2e-6, rtol 1e-4 (float32 sums
+taken in a different order across ranks; gradient entries are O(1e-2)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from sisrl.trainer.config import RolloutConfig
+from sisrl.trainer.policy import load_policy
+from sisrl.trainer.sampling import SyntheticSource
+
+from tests.trainer.ddp_worker import CASES, case_config, one_update
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _batch() -> list:
+    torch.manual_seed(0)
+    cfg = case_config("is_token_mean", "none")
+    model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    rollout = RolloutConfig(source="synthetic", prompts_per_step=4, samples_per_prompt=2, synthetic_response_len=5)
+    trajs = SyntheticSource(model, rollout, k=8, seed=3, vocab_size=len(tok)).rollouts([], 0, 0)[:7]
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i, t in enumerate(trajs):  # move q away from pi so ratios differ from 1, and vary rewards
+        noise = (torch.rand(len(t.behaviour_logprobs), generator=gen) - 0.5).tolist()
+        out.append(t.__class__(**{**t.to_json(), "behaviour_logprobs": [q + n for q, n in zip(t.behaviour_logprobs, noise, strict=True)],
+                                  "reward": float(i % 3)}))
+    return out
+
+
+def test_ddp_update_equals_single_process(tmp_path: Path) -> None:
+    trajs = _batch()
+    batch_path = tmp_path / "batch.json"
+    batch_path.write_text(json.dumps([t.to_json() for t in trajs]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           str(WORKER), str(batch_path), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    init = dict(load_policy(case_config("is_token_mean", "none").model, seed=0,
+                            device=torch.device("cpu"))[0].named_parameters())
+    for case in CASES:
+        single = one_update(case, trajs, "none")
+        ddp = load_file(str(tmp_path / f"{case}.safetensors"))
+        moved = 0.0
+        for name, value in single.items():
+            torch.testing.assert_close(ddp[name], value, atol=2e-6, rtol=1e-4, msg=f"{case}: {name}")
+            moved = max(moved, float((value - init[name]).abs().max()))
+        assert moved > 1e-3, case  # the update did something

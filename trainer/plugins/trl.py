@@ -94,7 +94,8 @@ def sampled_first(
     Input (TRL's `VLLMGeneration.generate` with `logprobs=K`): per sequence, per token, up to K + 1 (log-prob, id)
     pairs sorted by rank; the sampled token is among them even when it is outside the top K. Returns the candidates
     reordered so the sampled token comes first (TRL reads entry 0 as the sampling log-prob), and the top-K ids and
-    log-probs (rank order, NaN/None as -inf, right-padded with -inf when vLLM returned fewer than K).
+    log-probs in rank order. Missing entries (NaN/None, or fewer than K returned) get log q = +inf, so they never
+    win M_t = max_v pi(v) / q(v).
     """
     first_lp: list[list[list[float | None]]] = []
     first_ids: list[list[list[int]]] = []
@@ -108,8 +109,8 @@ def sampled_first(
             j = list(ids).index(tok)  # ValueError here means vLLM did not include the sampled token
             row_lp.append([lp[j], *lp[:j], *lp[j + 1 :]])
             row_ids.append([ids[j], *ids[:j], *ids[j + 1 :]])
-            top = [(i, -math.inf if x is None or math.isnan(x) else x) for i, x in list(zip(ids, lp, strict=True))[:k]]
-            top += [(0, -math.inf)] * (k - len(top))  # id 0 at -inf never wins the max and never matches in V_K
+            top = [(i, math.inf if x is None or math.isnan(x) else x) for i, x in list(zip(ids, lp, strict=True))[:k]]
+            top += [(0, math.inf)] * (k - len(top))
             row_top.append([i for i, _ in top])
             row_toplp.append([x for _, x in top])
         first_lp.append(row_lp)
@@ -189,7 +190,7 @@ class SISGRPOTrainer(GRPOTrainer):
             return {
                 "sis_logq": _pad_right(sampled, width, 0.0, torch.float32, device),
                 "sis_topk_ids": _pad_right(top_ids, width, 0, torch.long, device),
-                "sis_topk_logq": _pad_right(top_lp, width, -math.inf, torch.float32, device),
+                "sis_topk_logq": _pad_right(top_lp, width, math.inf, torch.float32, device),  # masked positions
             }
         # `recompute` source: same weights as the generation, no grad, in chunks of the training micro-batch size.
         model = self.model

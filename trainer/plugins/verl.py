@@ -12,16 +12,18 @@ Two pieces, both calling the SIS core (`sisrl.trainer.sis`, `sisrl.trainer.losse
    loss function first as a logits processor on the (temperature-scaled, padding-removed) logits when the batch
    carries `distillation_use_topk=True`: there it gathers log pi at q's top-K ids (fused kernels must be off).
    Then, as the loss, it puts those top-K log-probs in the `sis_tokens` context and calls verl's own `ppo_loss`,
-   so entropy, KL and metrics stay verl's. Batch keys it reads: `sis_topk_ids` [B, T, K] and `sis_topk_logq`
-   [B, T, K] (response-padded, like `rollout_log_probs`).
+   so entropy, KL and metrics stay verl's. Batch keys it reads: `sis_topk_ids` and `sis_topk_logq`, [B, T, K]
+   tensors (response-padded, like `rollout_log_probs`) or the per-sequence lists the rollout server puts in its
+   `extra_fields` (`sisrl.trainer.plugins.verl_rollout`).
 
 Import this module only where verl is installed; `import sisrl.trainer` never imports verl.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from sisrl.trainer.losses import compute_log_ratio, get_policy_loss
 from sisrl.trainer.sis import gather_logprobs, token_in_topk
 from torch import Tensor
 from verl.trainer.ppo.core_algos import register_policy_loss
+from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -181,16 +184,75 @@ def sis_gspo_policy_loss(
     )
 
 
+def rank_topk(position_logprobs: Sequence[Mapping[int, Any]], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """q's top-K ids and log-probs per response token from vLLM's per-token `{token_id: Logprob}` dicts.
+
+    With `logprobs=K` vLLM returns the K most probable tokens (`Logprob.rank` 1..K) plus the sampled token when it
+    ranks lower; the sampled one is dropped here unless it is in the top K. Returns [T][K] ids and log-probs.
+    """
+    ids, logprobs = [], []
+    for entries in position_logprobs:
+        top = sorted(entries.items(), key=lambda item: item[1].rank)[:k]
+        if len(top) < k:
+            raise ValueError(f"vLLM returned {len(top)} log-probs for a token, expected K={k}")
+        ids.append([int(token) for token, _ in top])
+        logprobs.append([float(entry.logprob) for _, entry in top])
+    return ids, logprobs
+
+
+def response_tensor(value: Any, width: int, fill: float, dtype: torch.dtype) -> Tensor:
+    """A [B, width, K] tensor from a tensor or from per-sequence [T_i][K] lists (how the rollout server's
+    `extra_fields` reach the actor); rows are right-padded with `fill`."""
+    if isinstance(value, Tensor):
+        return value
+    rows = [torch.tensor(list(row), dtype=dtype).reshape(len(row), -1) for row in value]
+    k = max((r.shape[1] for r in rows if r.numel()), default=1)
+    out = torch.full((len(rows), width, k), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out
+
+
+def _sis_batch(data: Any) -> tuple[Tensor, Tensor]:
+    """(`sis_topk_ids` [B, T, K] int64, `sis_topk_logq` [B, T, K]) of a micro-batch, on the responses' device.
+
+    Padding carries log q = +inf, so padded ranks never win the max of log pi - log q (they only occur at
+    masked positions).
+    """
+    responses = _padded_responses(data)
+    width = responses.shape[1]
+    ids = response_tensor(data["sis_topk_ids"], width, 0, torch.long).to(responses.device)
+    logq = response_tensor(data["sis_topk_logq"], width, math.inf, torch.float32).to(responses.device)
+    return ids, logq
+
+
+def _padded_responses(data: Any) -> Tensor:
+    """Response ids [B, T] (right-padded with 0) whether verl stored them padded or nested."""
+    responses = data["responses"]
+    if not responses.is_nested:
+        return responses
+    width = tu.get_non_tensor_data(data=data, key="max_response_len", default=-1)
+    width = int(width) if width > 0 else int(responses.offsets().diff().max())
+    return responses.to_padded_tensor(0, (responses.size(0), width))
+
+
+def _lengths(data: Any) -> tuple[list[int], list[int]]:
+    """Valid prompt and response lengths per sequence, read as verl's `no_padding_2_padding` reads them."""
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().tolist(), data["responses"].offsets().diff().tolist()
+    attention_mask = data["attention_mask"]
+    width = prompts.shape[1]
+    return attention_mask[:, :width].sum(dim=1).tolist(), attention_mask[:, width:].sum(dim=1).tolist()
+
+
 def _packed_positions(data: Any) -> tuple[list[int], list[int]]:
     """Per sequence: packed index of the logit that predicts its first response token, and the response length.
 
     Same layout as verl's `no_padding_2_padding`: sequences packed back to back (valid prompt then valid
     response), the logit at packed index i predicting token i + 1.
     """
-    attention_mask = data["attention_mask"]
-    prompt_width = data["prompts"].shape[1]
-    prompt_lens = attention_mask[:, :prompt_width].sum(dim=1).tolist()
-    response_lens = attention_mask[:, prompt_width:].sum(dim=1).tolist()
+    prompt_lens, response_lens = _lengths(data)
     starts, offset = [], 0
     for p, r in zip(prompt_lens, response_lens, strict=True):
         starts.append(offset + p - 1)
@@ -205,7 +267,7 @@ def topk_logp_outputs(student_logits: Tensor, data: Any) -> dict[str, Tensor]:
     [B, T, K]. Positions outside the responses gather id 0 and are dropped again by `no_padding_2_padding`.
     """
     logits = student_logits.squeeze(0)  # [N, V]
-    topk_ids = data["sis_topk_ids"]
+    topk_ids, _ = _sis_batch(data)
     k = topk_ids.shape[-1]
     ids = torch.zeros(logits.shape[0], k, dtype=torch.long, device=logits.device)  # [N, K]
     starts, lens = _packed_positions(data)
@@ -237,17 +299,17 @@ def sis_actor_loss(
         return topk_logp_outputs(student_logits, data)
     if model_output is None or data is None:
         raise ValueError("sis_actor_loss needs either student_logits or model_output and data")
-    k = data["sis_topk_ids"].shape[-1]
+    topk_ids, topk_logq = _sis_batch(data)
+    k = topk_ids.shape[-1]
     if TOPK_LOGP_KEY.format(0) not in model_output:
         raise RuntimeError("no top-K log-probs in the model output: set distillation_use_topk=True on the batch")
     topk_logp = torch.stack(
         [no_padding_2_padding(model_output[TOPK_LOGP_KEY.format(j)], data) for j in range(k)], dim=-1
     )  # [B, T, K]
-    topk_ids = data["sis_topk_ids"]
     tokens = SISTokens(
         topk_logp=topk_logp,
-        topk_logq=data["sis_topk_logq"].to(topk_logp.device),
-        in_topk=token_in_topk(data["responses"].to(topk_ids.device), topk_ids).to(topk_logp.device),
+        topk_logq=topk_logq.to(topk_logp.device),
+        in_topk=token_in_topk(_padded_responses(data), topk_ids).to(topk_logp.device),
     )
     with sis_tokens(tokens):
         return ppo_loss(config, model_output, data, dp_group)
@@ -257,6 +319,8 @@ __all__ = [
     "SIS_GSPO_LOSS",
     "SIS_LOSS",
     "SISTokens",
+    "rank_topk",
+    "response_tensor",
     "sis_actor_loss",
     "sis_gspo_policy_loss",
     "sis_policy_loss",

@@ -134,7 +134,7 @@ def test_sampled_first_takes_the_sampled_token_not_rank_one() -> None:
 def test_sampled_first_pads_short_lists_and_maps_nan() -> None:
     _, _, top_ids, top_lp = sampled_first([[[-0.1, None]]], [[[1, 2]]], [[1]], k=3)
     assert top_ids == [[[1, 2, 0]]]
-    assert top_lp == [[[-0.1, -math.inf, -math.inf]]]
+    assert top_lp == [[[-0.1, math.inf, math.inf]]]  # log q = +inf: never the max of log pi - log q
 
 
 def test_config_turns_trl_is_correction_off_and_validates(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ actor update runs here (see docs/plugins.md for the GPU recipe)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -149,9 +150,11 @@ def _padded_batch(prompts: list[list[int]], responses: list[list[int]], k: int) 
     }
 
 
-def test_actor_extension_through_verl_padding_and_ppo_loss() -> None:
+@pytest.mark.parametrize("as_lists", [False, True])
+def test_actor_extension_through_verl_padding_and_ppo_loss(as_lists: bool) -> None:
     # A tiny Llama scores each sequence unpadded, as verl's engine does after removing padding: the extension's
     # logits-processor half gathers pi at q's top-K, verl nests the outputs, and its `ppo_loss` calls `sis`.
+    # as_lists: the top-K arrive as per-sequence [T_i][K] lists, as the rollout server's extra_fields do.
     model = build_tiny_policy(load_tokenizer(), seed=1).float()
     prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21, 22, 23], [24, 25], [26, 27, 28]]
     padded = _padded_batch(prompts, responses, K)
@@ -167,11 +170,16 @@ def test_actor_extension_through_verl_padding_and_ppo_loss() -> None:
     n = len(seqs)
     g = torch.Generator().manual_seed(4)
     advantages = torch.randn(n, 1, generator=g).expand(n, r_w).contiguous()
-    batch = TensorDict(
-        {**padded, "old_log_probs": logq, "advantages": advantages, "sis_topk_ids": topk_ids,
-         "sis_topk_logq": topk_logq},
-        batch_size=n,
-    )
+    batch = TensorDict({**padded, "old_log_probs": logq, "advantages": advantages}, batch_size=n)
+    if as_lists:
+        lens = [len(r) for r in responses]
+        tu.assign_non_tensor(
+            batch,
+            sis_topk_ids=[topk_ids[i, :m].tolist() for i, m in enumerate(lens)],
+            sis_topk_logq=[topk_logq[i, :m].tolist() for i, m in enumerate(lens)],
+        )
+    else:
+        batch["sis_topk_ids"], batch["sis_topk_logq"] = topk_ids, topk_logq
     data = left_right_2_no_padding(batch)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
     cfg = _config(loss_mode="sis")
@@ -204,3 +212,26 @@ def test_actor_extension_through_verl_padding_and_ppo_loss() -> None:
     assert "actor/pg_loss" in metrics and "sis/accept_rate" in metrics
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@dataclass
+class _Logprob:
+    """The fields of vLLM's `Logprob` that the server hook reads (vLLM is not installed here)."""
+
+    logprob: float
+    rank: int
+
+
+def test_rank_topk_keeps_q_top_k_in_rank_order() -> None:
+    # K = 2. Token 0: the sampled id 9 ranks 7th, so vLLM adds it as a third entry; it is not in V_K.
+    positions = [{9: _Logprob(-5.0, 7), 4: _Logprob(-0.3, 1), 2: _Logprob(-1.9, 2)}, {3: _Logprob(-0.1, 1), 8: _Logprob(-2.5, 2)}]
+    ids, logq = sis_verl.rank_topk(positions, 2)
+    assert ids == [[4, 2], [3, 8]]
+    assert logq == [[-0.3, -1.9], [-0.1, -2.5]]
+    with pytest.raises(ValueError, match="expected K=3"):
+        sis_verl.rank_topk(positions, 3)
+
+
+def test_response_tensor_pads_lists_with_fill() -> None:
+    out = sis_verl.response_tensor([[[1, 2]], [[3, 4], [5, 6]]], 3, 0, torch.long)
+    assert out.tolist() == [[[1, 2], [0, 0], [0, 0]], [[3, 4], [5, 6], [0, 0]]]

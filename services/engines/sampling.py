@@ -76,7 +76,7 @@ class StopChecker:
         self._stops = tuple(stops)
         # Each token that overlaps a stop string holds at least one of its UTF-8 bytes, so a stop string that
         # ends in the newest token lies within the last len(stop.encode()) tokens (+1 for slack).
-        self._window = max((len(s.encode()) for s in self._stops), default=0) + 1
+        self._window = max((len(s.encode("utf-8", "surrogatepass")) for s in self._stops), default=0) + 1
 
     def match(self, generated: Sequence[int]) -> str | None:
         """The stop string that the generated ids now contain, if any. Called after each new token."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 
@@ -21,7 +22,10 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors file in {path!r}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
     return state
 
 

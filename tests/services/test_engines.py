@@ -137,12 +137,12 @@ def test_logprobs_equal_fresh_forward(
             await asyncio.sleep(0.01 * i)
             return await engine.generate(prompt, params)
 
-        gens = await asyncio.gather(*[later(i, p) for i, p in enumerate(prompts[:4])])
+        gens = await asyncio.gather(*[later(i, p) for i, p in enumerate(prompts[:3])])
         assert engine.stats.prefill_passes >= 2  # some rows joined a batch that was already decoding
         return gens
 
     gens = run_engine(model, tokenizer, body)
-    for prompt, gen in zip(prompts[:4], gens, strict=True):
+    for prompt, gen in zip(prompts[:3], gens, strict=True):
         assert_matches_reference(model, prompt, gen, params)
         if temperature == 0.0:
             logq = reference_logq(model, prompt, gen, 0.0, 1.0)

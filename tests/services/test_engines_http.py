@@ -1,0 +1,282 @@
+"""The OpenAI-compatible policy server (real uvicorn subprocess on 127.0.0.1) and the vLLM-HTTP engine pointed
+at it: vLLM's wire format, equality with the local engine, weight reloads, errors, auth, and a bounded
+schemathesis run with zero 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
+from sisrl.services.engines.local import LocalEngine
+from sisrl.services.engines.openai_server import ServerSettings, create_app
+from sisrl.services.engines.vllm_http import VLLMHttpEngine, parse_topk
+from sisrl.services.engines.vllm_inproc import from_ranked_logprobs
+from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from transformers import LlamaForCausalLM
+
+QUESTIONS = [
+    "Who wrote Dracula?",
+    "Capital of Australia, briefly:",
+    "<search>tallest mountain</search> then",
+    "Hi",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = load_tokenizer()
+    return [list(tokenizer.encode(q)) for q in QUESTIONS]
+
+
+def http_engine(server: Any, **kwargs: Any) -> VLLMHttpEngine:
+    engine = create_engine("vllm-http", model="", url=server.url, retries=0, **kwargs)
+    assert isinstance(engine, VLLMHttpEngine)
+    engine.model = server_model_name(server)
+    return engine
+
+
+def server_model_name(server: Any) -> str:
+    return str(httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"])
+
+
+def test_completion_speaks_vllm_wire_format(policy_server: Any, prompts: list[list[int]]) -> None:
+    k = 3
+    body = {
+        "prompt": prompts[0],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "logprobs": k,
+        "seed": 4,
+        "stop": ["</answer>"],
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{policy_server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-policy-version"] == "0"
+    data = response.json()
+    assert data["object"] == "text_completion"
+    choice = data["choices"][0]
+    ids = choice["token_ids"]
+    assert choice["prompt_token_ids"] == prompts[0]
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None and len(ids) == 12
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 12
+    sizes = set()
+    for token, logprob, top in zip(ids, lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        first_key, first_value = next(iter(top.items()))
+        assert (first_key, first_value) == (f"token_id:{token}", logprob)  # the sampled token comes first
+        assert len(top) == (k if sum(v > logprob for v in top.values()) < k else k + 1)
+        sizes.add(len(top))
+    assert data["usage"] == {
+        "prompt_tokens": len(prompts[0]),
+        "completion_tokens": 12,
+        "total_tokens": len(prompts[0]) + 12,
+    }
+    assert sizes == {k + 1}, "a random tiny model samples outside its top-3 nearly always"
+
+
+def test_parse_topk_keeps_exactly_k_by_rank() -> None:
+    # Sampled token 7 outside the top-2: three entries, sampled first (vLLM's order).
+    assert parse_topk({"token_id:7": -5.0, "token_id:3": -0.5, "token_id:9": -1.0}, 7, 2) == (
+        [3, 9],
+        [-0.5, -1.0],
+    )
+    # Sampled token 9 inside the top-2: two entries, sampled first, re-ordered by rank.
+    assert parse_topk({"token_id:9": -1.0, "token_id:3": -0.5}, 9, 2) == ([3, 9], [-0.5, -1.0])
+    with pytest.raises(ValueError, match="expected 2 or 3"):
+        parse_topk({"token_id:9": -1.0}, 9, 2)
+    with pytest.raises(ValueError, match="'tok9'"):
+        parse_topk({"tok9": -1.0, "token_id:3": -0.5}, 9, 2)
+
+
+def test_vllm_http_engine_equals_local_engine(
+    policy_server: Any, tiny_policy_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Same weights, same seeds: the HTTP engine (through the server) returns the local engine's generation."""
+    tokenizer = load_tokenizer()
+    base = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
+    free = asyncio.run(_generate_local(tiny_policy_dir, [prompts[2]], [base]))[0]
+    stop = tokenizer.decode(free.token_ids[4:6])  # ends the greedy request early, through the HTTP stop path
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=1, logprobs_k=5),
+        SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=2, logprobs_k=5),
+        SamplingParams(max_new_tokens=12, temperature=0.0, stop=("</answer>", stop), logprobs_k=5),
+        SamplingParams(max_new_tokens=10, temperature=1.3, seed=3, logprobs_k=0),
+    ]
+    local = asyncio.run(_generate_local(tiny_policy_dir, prompts, params))
+
+    async def remote() -> list[Generation]:
+        engine = http_engine(policy_server)
+        try:
+            return await asyncio.gather(
+                *[engine.generate(p, s) for p, s in zip(prompts, params, strict=True)]
+            )
+        finally:
+            await engine.close()
+
+    over_http = asyncio.run(remote())
+    assert over_http[2].finish_reason == "stop"
+    for a, b in zip(local, over_http, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.topk_ids == b.topk_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+        flat = [
+            (x - y)
+            for xs, ys in zip(a.topk_logprobs, b.topk_logprobs, strict=True)
+            for x, y in zip(xs, ys, strict=True)
+        ]
+        assert max(map(abs, flat), default=0.0) <= 1e-5
+
+
+async def _generate_local(
+    model: Path | LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[Generation]:
+    engine = (
+        LocalEngine(str(model)) if isinstance(model, Path) else LocalEngine(model, tokenizer=load_tokenizer())
+    )
+    try:
+        return await asyncio.gather(*[engine.generate(p, s) for p, s in zip(prompts, params, strict=True)])
+    finally:
+        await engine.close()
+
+
+def test_weight_reload_through_the_server(
+    policy_server: Any, tiny_policy_dir: Path, prompts: list[list[int]]
+) -> None:
+    tokenizer = load_tokenizer()
+    root = policy_server.checkpoint_root
+    build_tiny_policy(tokenizer, seed=1).save_pretrained(root / "step1", safe_serialization=True)
+    params = SamplingParams(max_new_tokens=8, seed=5, logprobs_k=2, stop=())
+
+    async def body() -> tuple[Generation, Generation]:
+        engine = http_engine(policy_server)
+        try:
+            before = await engine.generate(prompts[1], params)
+            await engine.load_weights("step1", 7)
+            after = await engine.generate(prompts[1], params)
+            with pytest.raises(ValueError, match="outside the checkpoint root"):
+                await engine.load_weights("../elsewhere", 8)
+            with pytest.raises(ValueError, match="404"):
+                await engine.load_weights("missing", 8)
+            return before, after
+        finally:
+            # Put the session's server back on the original weights (version 0).
+            build_tiny_policy(tokenizer, seed=0).save_pretrained(root / "step0", safe_serialization=True)
+            await engine.load_weights("step0", 0)
+            await engine.close()
+
+    before, after = asyncio.run(body())
+    assert (before.policy_version, after.policy_version) == (0, 7)
+    assert before.token_ids != after.token_ids
+    fresh = build_tiny_policy(tokenizer, seed=1)
+    reference = asyncio.run(_generate_local(fresh, [prompts[1]], [params]))[0]
+    assert reference.token_ids == after.token_ids
+
+
+def test_bad_requests_are_client_errors(policy_server: Any, prompts: list[list[int]]) -> None:
+    url = f"{policy_server.url}/v1/completions"
+    cases: list[tuple[dict[str, Any], int, str]] = [
+        ({"prompt": [1, 10**6]}, 400, "prompt_ids[1] = 1000000"),
+        ({"prompt": prompts[0], "logprobs": 21}, 400, "logprobs=21"),
+        ({"prompt": prompts[0], "max_tokens": 17}, 400, "max_tokens=17"),
+        ({"prompt": prompts[0], "model": "gpt-x"}, 404, "gpt-x"),
+        ({"prompt": prompts[0], "temperature": -1}, 422, "temperature"),
+        ({"prompt": prompts[0], "top_k": 5}, 422, "top_k"),
+        ({"prompt": []}, 422, "prompt"),
+    ]
+    for body, status, fragment in cases:
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == status and fragment in response.text, (body, response.text)
+
+    async def via_engine() -> None:
+        engine = http_engine(policy_server)
+        try:
+            with pytest.raises(ValueError, match="400"):
+                await engine.generate([1, 10**6], SamplingParams(max_new_tokens=2))
+        finally:
+            await engine.close()
+
+    asyncio.run(via_engine())
+
+
+def test_vllm_inproc_is_optional_and_keeps_k_by_rank() -> None:
+    with pytest.raises(ImportError, match="needs the vllm package"):
+        create_engine("vllm", model="smollm2-135m-instruct")
+
+    @dataclass
+    class Ranked:  # the two fields of vLLM's Logprob that the converter reads
+        logprob: float
+        rank: int
+
+    # Position 0: sampled token 5 ranks 4th (outside K = 2); position 1: sampled token 8 ranks 1st.
+    positions = [
+        {5: Ranked(-3.0, 4), 1: Ranked(-0.2, 1), 2: Ranked(-1.9, 2)},
+        {8: Ranked(-0.1, 1), 3: Ranked(-float("inf"), 2)},
+    ]
+    gen = from_ranked_logprobs([5, 8], positions, 2, "eos", 4)
+    assert gen.logprobs == [-3.0, -0.1]
+    assert gen.topk_ids == [[1, 2], [8, 3]] and gen.topk_logprobs == [[-0.2, -1.9], [-0.1, MIN_LOGPROB]]
+    with pytest.raises(ValueError, match="expected 3 entries"):
+        from_ranked_logprobs([5, 8], positions, 3, "eos", 4)
+
+
+def test_dead_server_is_a_runtime_error(prompts: list[list[int]]) -> None:
+    async def body() -> None:
+        engine = VLLMHttpEngine("http://127.0.0.1:9", model="m", retries=1)
+        try:
+            with pytest.raises(RuntimeError, match="after 2 attempts"):
+                await engine.generate(prompts[0], SamplingParams(max_new_tokens=2))
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+
+
+def test_bearer_token_guards_all_but_health(tiny_policy_dir: Path, prompts: list[list[int]]) -> None:
+    async def body() -> None:
+        engine = LocalEngine(str(tiny_policy_dir))
+        app = create_app(ServerSettings(model=str(tiny_policy_dir), api_token="s3cret"), engine=engine)
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                assert (await client.get("/health")).status_code == 200
+                assert (await client.get("/v1/models")).status_code == 401
+                good = {"Authorization": "Bearer s3cret"}
+                assert (
+                    await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+                ).status_code == 401
+                ok = await client.post(
+                    "/v1/completions", json={"prompt": prompts[3], "max_tokens": 2}, headers=good
+                )
+                assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"] is None
+                assert "sisrl_engine_requests" in (await client.get("/metrics", headers=good)).text
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+
+
+def test_schema_fuzz_has_no_server_errors(policy_server: Any) -> None:
+    """Every operation of the live server's OpenAPI schema, bounded examples each: never a 5xx."""
+    schema = schemathesis.openapi.from_url(f"{policy_server.url}/openapi.json")
+    labels = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        labels.append(operation.label)
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=12, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def call(case: Any) -> None:
+            case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+        call()
+    assert "POST /v1/completions" in labels and "POST /v1/load_weights" in labels

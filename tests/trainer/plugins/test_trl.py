@@ -148,3 +148,25 @@ def test_config_turns_trl_is_correction_off_and_validates(tmp_path: Path) -> Non
         _config(tmp_path, loss_type="cispo")
     with pytest.raises(ValueError, match="sis_k"):
         _config(tmp_path, sis_k=0)
+
+
+def test_vllm_outputs_become_padded_sis_fields(tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
+    # TRL's `VLLMGeneration.generate` output with logprobs=K=2 (rank order, sampled token appended when outside the
+    # top 2); the wrapper must hand TRL the sampled token's log-prob first and keep q's top-K for the loss.
+    trainer = _trainer(tokenizer, _config(tmp_path, sis_k=2, top_k=0))
+    completions = [[7, 9], [4]]
+    logprobs = [[[-0.5, -1.0], [-0.2, -2.0, -6.0]], [[-0.3, -1.5]]]
+    token_ids = [[[3, 7], [4, 5, 9]], [[4, 8]]]
+
+    def vllm_generate(**_: Any) -> tuple[Any, ...]:
+        return [[1, 2], [1, 2]], completions, logprobs, token_ids
+
+    _, _, first_lp, first_ids = trainer._wrap_vllm_generate(vllm_generate)()
+    assert [[t[0] for t in seq] for seq in first_lp] == [[-1.0, -6.0], [-0.3]]
+    assert [[t[0] for t in seq] for seq in first_ids] == completions
+    trainer.use_vllm = True
+    fields = trainer._behaviour_fields({"completion_ids": torch.tensor([[7, 9], [4, 2]])})
+    torch.testing.assert_close(fields["sis_logq"], torch.tensor([[-1.0, -6.0], [-0.3, 0.0]]))
+    assert fields["sis_topk_ids"].tolist() == [[[3, 7], [4, 5]], [[4, 8], [0, 0]]]
+    expected = torch.tensor([[[-0.5, -1.0], [-0.2, -2.0]], [[-0.3, -1.5], [math.inf, math.inf]]])
+    torch.testing.assert_close(fields["sis_topk_logq"], expected)

@@ -3,7 +3,8 @@
 Every name is generated from syllables by a seeded RNG, so no fact can be known in advance: a policy can only
 answer by searching the corpus. Deterministic from the seed. Formats: corpus JSONL `{"id", "contents"}` with
 `contents = "\\"Title\\"\\ntext"` (Search-R1 / FlashRAG wiki-18), questions JSONL `{id, question,
-golden_answers, data_source}`.
+golden_answers, data_source}`. Single-hop questions carry data_source "nq" and two-hop ones "hotpotqa": the gateway
+scores a data source by its registered reward rule (EM for both), and these are the two it knows.
 """
 
 from __future__ import annotations
@@ -86,11 +87,11 @@ def questions(people: list[Person]) -> list[QAItem]:
     for i, p in enumerate(people):
         kind = i % 3
         if kind == 0:
-            q, a, src = f"In which town was {p.name} born?", p.town.name, "demo_fact"
+            q, a, src = f"In which town was {p.name} born?", p.town.name, "nq"
         elif kind == 1:
-            q, a, src = f"What was the occupation of {p.name}?", p.occupation, "demo_fact"
+            q, a, src = f"What was the occupation of {p.name}?", p.occupation, "nq"
         else:
-            q, a, src = f"In which year was the home town of {p.name} founded?", str(p.town.founded), "demo_twohop"
+            q, a, src = f"In which year was the home town of {p.name} founded?", str(p.town.founded), "hotpotqa"
         items.append(QAItem(id=f"demo_{i}", question=q, golden_answers=[a], data_source=src))
     return items
 

@@ -17,8 +17,9 @@ from sisrl.trainer.config import RolloutConfig
 from sisrl.trainer.data import QAItem
 
 log = logging.getLogger(__name__)
-DONE = ("done", "completed", "complete", "succeeded")
-FAILED = ("failed", "error", "cancelled")
+DONE = "done"
+PARTIAL = "partial"  # finished with fewer trajectories than asked (e.g. the gateway restarted mid-batch)
+FAILED = "failed"
 
 
 class GatewayError(RuntimeError):
@@ -62,9 +63,13 @@ class GatewayClient:
         while True:
             body = self._json("GET", f"/v1/batches/{batch_id}")
             status = str(body.get("status", "")).lower()
-            if status in DONE:
+            if status == DONE:
                 return [Trajectory.from_json(t) for t in body.get("trajectories") or []]
-            if status in FAILED:
+            if status == PARTIAL and body.get("trajectories"):
+                log.warning("batch %s is partial (missing items %s): training on what it holds", batch_id,
+                            body.get("missing_items"))
+                return [Trajectory.from_json(t) for t in body["trajectories"]]
+            if status in (FAILED, PARTIAL):
                 raise GatewayError(f"batch {batch_id} {status}: missing items {body.get('missing_items')}")
             if time.monotonic() > deadline:
                 raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {body.get('progress')})")

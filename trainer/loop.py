@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from sisrl.trainer.distributed import (
     shutdown,
     wrap_model,
 )
+from sisrl.trainer.evaluate import evaluate
 from sisrl.trainer.gateway_client import GatewayClient, GatewaySource
 from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, table_header, table_row
 from sisrl.trainer.policy import (
@@ -72,7 +74,20 @@ def build_source(cfg: TrainConfig, model: torch.nn.Module, vocab_size: int) -> R
     if cfg.rollout.source == "synthetic":
         return SyntheticSource(unwrap(model), cfg.rollout, k=cfg.algorithm.topk, seed=cfg.seed, vocab_size=vocab_size)
     client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token)
-    return GatewaySource(client, cfg.rollout, run=Path(cfg.run_dir).name, k=cfg.algorithm.topk, seed=cfg.seed)
+    return GatewaySource(client, cfg.rollout, run=run_name(Path(cfg.run_dir), cfg.seed), k=cfg.algorithm.topk,
+                         seed=cfg.seed)
+
+
+def run_name(run_dir: Path, seed: int) -> str:
+    """The run's name at the gateway: folder, seed and first-start time, fixed in RUN_DIR/run_name.txt so a
+    resumed run keeps it (and its idempotency keys) while a fresh run in a reused folder never collides."""
+    path = run_dir / "run_name.txt"
+    if path.is_file():
+        return path.read_text().strip()
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{run_dir.name}-s{seed}-{time.strftime('%Y%m%dT%H%M%S')}")[:64]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(name + "\n")
+    return name
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None,
@@ -91,10 +106,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.total_steps * cfg.algorithm.staleness)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + ctx.rank)  # SIS accept draws and shuffles
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt is None and ctx.is_main:
+        (run_dir / "run_name.txt").unlink(missing_ok=True)  # a fresh run gets a fresh name at the gateway
     sampler = build_sampler(cfg) if ctx.is_main else None
     source = build_source(cfg, model, len(tokenizer)) if ctx.is_main else None
     step, version = 0, 0
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
         state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator,
                                 rank=ctx.rank, world=ctx.world)
@@ -134,6 +151,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                                 config=cfg.model_dump(mode="json"), rank=ctx.rank, world=ctx.world,
                                 keep=cfg.keep_checkpoints, barrier=(lambda: barrier(ctx)) if ctx.enabled else None)
             t4 = time.perf_counter()
+            if ctx.is_main and cfg.eval_every and step % cfg.eval_every == 0 and isinstance(source, GatewaySource):
+                metrics.update(_evaluate(cfg, source, step, version))
             if ctx.is_main:
                 metrics.update(rollout_metrics(trajs, t1 - t0))
                 metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/sync_s": t3 - t2,
@@ -167,6 +186,15 @@ def _rollouts(ctx: DistContext, source: RolloutSource | None, sampler: MixtureSa
             return trajs
         raw = trajectories_to_bytes(trajs)
     return trajectories_from_bytes(broadcast_bytes(raw, ctx))
+
+
+def _evaluate(cfg: TrainConfig, source: GatewaySource, step: int, version: int) -> dict[str, float]:
+    """EM / F1 per data source on the eval files, at the version just pushed."""
+    items = [it for path in cfg.data.eval for it in load_items(path, limit=cfg.data.eval_limit)]
+    if not items:
+        return {}
+    return evaluate(source.client, items, run=source.run, step=step, version=version, cfg=cfg.rollout,
+                    k=cfg.algorithm.topk, seed=cfg.seed)
 
 
 def _push_weights(cfg: TrainConfig, ctx: DistContext, source: RolloutSource | None, model: torch.nn.Module,

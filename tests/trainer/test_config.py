@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sisrl.trainer.cli import main as cli_main
 from sisrl.trainer.config import (
     ConfigError,
     TrainConfig,
@@ -68,3 +69,8 @@ def test_shipped_configs_load(name: str) -> None:
     path = CONFIGS / f"{name}.yaml"
     assert path.read_text().startswith("# "), "a config starts with its command and hardware"
     assert isinstance(load_config(path), TrainConfig)
+
+
+def test_cli_reports_a_bad_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["train", "--set", "rollout.source=synthetic", "--set", "algorithm.stalenes=3"]) == 2
+    assert "algorithm.stalenes: unknown key" in capsys.readouterr().err

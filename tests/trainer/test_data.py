@@ -93,7 +93,7 @@ def test_demo_data_is_deterministic_and_answers_need_the_corpus(tmp_path: Path) 
     assert a["corpus"].read_text() == b["corpus"].read_text() != c["corpus"].read_text()
     corpus = [json.loads(x)["contents"] for x in a["corpus"].read_text().splitlines()]
     items = load_items(a["train"]) + load_items(a["test"])
-    assert {it.data_source for it in items} == {"demo_fact", "demo_twohop"}
+    assert {it.data_source for it in items} == {"nq", "hotpotqa"}
     for it in items:  # every gold answer is written in some passage
         assert any(it.golden_answers[0] in text for text in corpus), it
     assert not set(x.id for x in load_items(a["train"])) & set(x.id for x in load_items(a["test"]))

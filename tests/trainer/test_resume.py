@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from sisrl.trainer.checkpoint import latest_checkpoint
+from sisrl.trainer.cli import main as cli_main
 from sisrl.trainer.loop import train
 from sisrl.trainer.metrics import read_metrics
 
@@ -50,3 +51,5 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     steps_dirs = sorted(p.name for p in (split / "checkpoints").iterdir())
     assert steps_dirs == ["step_000003", "step_000004"]  # keep_checkpoints = 2, no temp dirs left
     assert all(r["actor/grad_norm"] > 0 and r["guard/skipped_updates"] == 0 for r in rows)  # real updates
+    assert cli_main(["plot", str(split)]) == 0
+    assert {"reward.png", "sis.png", "actor.png", "time.png"} <= {p.name for p in (split / "plots").iterdir()}

@@ -1,0 +1,122 @@
+"""`sisrl-train`: train, evaluate, plot, and list the config knobs.
+
+  sisrl-train train --config FILE [--set KEY=VALUE ...]      (torchrun ... -m sisrl.trainer.cli train ... too)
+  sisrl-train eval --checkpoint DIR --data FILE [--data FILE ...] [--gateway-url URL]
+  sisrl-train plot RUN_DIR
+  sisrl-train config [--config FILE]                         every knob: key, default (or value), description
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from sisrl.trainer.config import ConfigError, RolloutConfig, describe_fields, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="sisrl-train", description="SIS trainer for LLM search agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint)", formatter_class=fmt)
+    t.add_argument("--config", type=Path, default=None, help="YAML config (see `sisrl-train config`); none = defaults")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one knob, e.g. --set algorithm.staleness=8 (repeatable; YAML values)")
+    t.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="logging level")
+    e = sub.add_parser("eval", help="EM per data source of a checkpoint, through the gateway", formatter_class=fmt)
+    e.add_argument("--checkpoint", type=Path, required=True,
+                   help="a trainer checkpoint (RUN_DIR/checkpoints/step_N) or an HF directory, under the gateway's checkpoint root")
+    e.add_argument("--data", action="append", required=True, help="question file (.jsonl or .parquet); repeatable")
+    e.add_argument("--gateway-url", default=RolloutConfig().gateway_url, help="gateway base URL")
+    e.add_argument("--api-token", default=None, help="gateway bearer token")
+    e.add_argument("--limit", type=int, default=None, help="at most this many questions per file")
+    e.add_argument("--version", type=int, default=None, help="policy version to announce (default: the checkpoint's step)")
+    e.add_argument("--temperature", type=float, default=0.01, help="sampling temperature (the gateway needs > 0)")
+    e.add_argument("--max-new-tokens", type=int, default=RolloutConfig().max_new_tokens, help="tokens per turn")
+    e.add_argument("--max-turns", type=int, default=RolloutConfig().max_turns, help="search turns at most")
+    e.add_argument("--topk", type=int, default=20, help="behaviour top-K the gateway records")
+    p = sub.add_parser("plot", help="PNG curves of RUN_DIR/metrics.jsonl into RUN_DIR/plots", formatter_class=fmt)
+    p.add_argument("run_dir", type=Path, help="a run directory holding metrics.jsonl")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
+    c = sub.add_parser("config", help="list every config knob with its default and description", formatter_class=fmt)
+    c.add_argument("--config", type=Path, default=None, help="show this file's values instead of the defaults")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from sisrl.trainer.loop import train
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    history = train(cfg)
+    print(f"done: {len(history)} steps this run; metrics in {Path(cfg.run_dir) / 'metrics.jsonl'}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from sisrl.trainer.data import load_items
+    from sisrl.trainer.evaluate import evaluate, export_hf
+    from sisrl.trainer.gateway_client import GatewayClient
+
+    hf_dir = export_hf(args.checkpoint)
+    version = args.version
+    if version is None:
+        state = args.checkpoint / "trainer_state.json"
+        version = json.loads(state.read_text())["policy_version"] if state.is_file() else 0
+    items = [it for path in args.data for it in load_items(path, limit=args.limit)]
+    rollout = RolloutConfig(gateway_url=args.gateway_url, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns)
+    client = GatewayClient(args.gateway_url, token=args.api_token)
+    client.push_policy(hf_dir.resolve(), version)
+    result = evaluate(client, items, run=f"eval-{hf_dir.parent.name}", step=version, version=version, cfg=rollout,
+                      k=args.topk, seed=0, temperature=args.temperature)
+    for key, value in result.items():
+        print(f"{key:32s} {value:8.4f}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from sisrl.trainer.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    rows = describe_fields()
+    if args.config is not None:
+        dumped = load_config(args.config).model_dump()
+        rows = [(key, repr(_lookup(dumped, key)), desc) for key, _, desc in rows]
+    width = max(len(k) for k, _, _ in rows)
+    for key, value, desc in rows:
+        print(f"{key:{width}s}  {value:24s}  {desc}")
+    return 0
+
+
+def _lookup(tree: dict[str, object], dotted: str) -> object:
+    node: object = tree
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else None
+    return node
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"train": _train, "eval": _eval, "plot": _plot, "config": _config}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as err:
+        print(f"sisrl-train: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as err:
+        print(f"sisrl-train {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,6 +7,8 @@ Written against verl 0.9.1's source and NOT run here (it needs vLLM and CUDA); d
 - `register_sis_vllm_rollout()` makes rollout name `vllm` build replicas of that server.
 - `install_sis(trainer)` sets `sis_actor_loss` as the actor loss on the workers and turns on the engine's top-K
   logits-processor call (`distillation_use_topk`) for every actor update.
+- `SISRayPPOTrainer` does both around `init_workers()`; `setup_worker`, given to Ray as
+  `runtime_env.worker_process_setup_hook`, makes verl's (v0) TaskRunner build it, in every Ray process.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import ray
 from sisrl.trainer.plugins.verl import rank_topk, sis_actor_loss
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -102,4 +105,31 @@ def install_sis(trainer: Any) -> None:
     group.update_actor = update_with_topk
 
 
-__all__ = ["SISvLLMHttpServer", "SISvLLMReplica", "install_sis", "register_sis_vllm_rollout", "sis_k"]
+class SISRayPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
+    """verl's `RayPPOTrainer` with the SIS rollout server and actor loss; the training loop is verl's."""
+
+    def init_workers(self) -> None:
+        register_sis_vllm_rollout()  # before the agent loop manager, built inside init_workers, makes replicas
+        super().init_workers()
+        install_sis(self)
+
+
+def setup_worker() -> None:
+    """Ray `worker_process_setup_hook`: registers the SIS losses and points verl's v0 TaskRunner, which builds its
+    trainer by the module-level name `RayPPOTrainer`, at `SISRayPPOTrainer`. Runs once in every Ray process."""
+    import sisrl.trainer.plugins.verl  # noqa: F401  (registers `sis` and `sis_gspo` with verl)
+    import verl.trainer.main_ppo_v0 as task_runner_module
+
+    task_runner_module.RayPPOTrainer = SISRayPPOTrainer
+    register_sis_vllm_rollout()  # whichever process builds the rollout replicas
+
+
+__all__ = [
+    "SISRayPPOTrainer",
+    "SISvLLMHttpServer",
+    "SISvLLMReplica",
+    "install_sis",
+    "register_sis_vllm_rollout",
+    "setup_worker",
+    "sis_k",
+]

@@ -72,6 +72,9 @@ class SISGRPOConfig(GRPOConfig):
             return
         if self.sis_k < 1:
             raise ValueError(f"sis_k must be an integer >= 1, got {self.sis_k!r}")
+        if self.use_vllm and self.vllm_mode == "colocate" and self.sis_k > 20:
+            # TRL builds the colocated `vllm.LLM` with vLLM's default max_logprobs (20); `trl vllm-serve` lifts it.
+            raise ValueError(f"sis_k={self.sis_k} exceeds vLLM's default max_logprobs=20 in colocate mode; use <= 20")
         if self.loss_type not in _AGG:
             raise ValueError(f"loss_type {self.loss_type!r} is not supported with SIS; expected one of {list(_AGG)}")
         if self.importance_sampling_level not in ("token", "sequence"):

@@ -1,19 +1,21 @@
 """SIS inside TRL: `SISGRPOTrainer`, a `trl.GRPOTrainer` whose loss uses the SIS ratio (tested with TRL 1.16).
 
-Usage: replace `GRPOConfig`/`GRPOTrainer` by `SISGRPOConfig`/`SISGRPOTrainer`; `sis_k` and `sis_strategy` are the
-new knobs. Three override points of TRL's trainer, nothing else:
-- `_generate_and_score_completions`: after TRL builds the generation batch, add the behaviour policy q per response
-  token: `sis_logq` [B, T], `sis_topk_ids` [B, T, K], `sis_topk_logq` [B, T, K]. On the vLLM path they come from the
-  engine (`logprobs=K`, DESIGN.md `rollout` source); on the transformers path from a no-grad forward of the weights
-  that just generated (`recompute` source). TRL's `shuffle_sequence_dict`/`split_tensor_dict` permute and split every
-  tensor along the batch dimension, so these keys follow their rows through the `num_iterations` reuse.
+Usage: replace `GRPOConfig`/`GRPOTrainer` by `SISGRPOConfig`/`SISGRPOTrainer`; `sis_k` and `sis_strategy` are
+the new knobs. Three override points of TRL's trainer, nothing else:
+- `_generate_and_score_completions`: after TRL builds the generation batch, add the behaviour policy q per
+  response token: `sis_logq` [B, T], `sis_topk_ids` [B, T, K], `sis_topk_logq` [B, T, K]. On the vLLM path
+  they come from the engine (`logprobs=K`, DESIGN.md `rollout` source); on the transformers path from a
+  no-grad forward of the weights that just generated (`recompute` source). TRL's
+  `shuffle_sequence_dict`/`split_tensor_dict` permute and split every tensor along the batch dimension, so
+  these keys follow their rows through the `num_iterations` reuse.
 - `_compute_loss`: one forward for the logits of the completion, pi at the sampled token and at q's top-K ids
-  (`sis.token_and_topk_logprobs`), the ratio from `losses.compute_log_ratio`, the loss from `losses.get_policy_loss`.
-  The accept test is redone at every call with the current weights, so at every one of the `num_iterations` updates.
-- the vLLM generator's `generate`: asks for K log-probs and puts the sampled token's entry first, because TRL keeps
-  entry 0 (the rank-1 token, not the sampled one) as the sampling log-prob.
-TRL's own vLLM importance-sampling correction is switched off by the config when SIS is on (nothing is corrected
-twice). Imported only by users of this plug-in: `import sisrl.trainer` never imports TRL.
+  (`sis.token_and_topk_logprobs`), the ratio from `losses.compute_log_ratio`, the loss from
+  `losses.get_policy_loss`. The accept test is redone at every call with the current weights, so at every one
+  of the `num_iterations` updates.
+- the vLLM generator's `generate`: asks for K log-probs and puts the sampled token's entry first, because TRL
+  keeps entry 0 (the rank-1 token, not the sampled one) as the sampling log-prob.
+TRL's own vLLM importance-sampling correction is switched off by the config when SIS is on (nothing is
+corrected twice). Imported only by users of this plug-in: `import sisrl.trainer` never imports TRL.
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ from trl import GRPOConfig, GRPOTrainer
 log = logging.getLogger(__name__)
 
 SIS_KEYS = ("sis_logq", "sis_topk_ids", "sis_topk_logq")
-# TRL loss type -> how our per-token loss is reduced (TRL 1.16 `GRPOTrainer._compute_loss`, read for the facts).
-_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum", "dapo": "token-mean"}
+# TRL loss type -> how our per-token loss is reduced (as TRL 1.16's `GRPOTrainer._compute_loss` reduces it).
+_AGG = {
+    "grpo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum",
+    "dapo": "token-mean",
+}
 # Extra loss terms and TRL loss types the SIS path does not reproduce; refused rather than silently dropped.
 _UNSUPPORTED = (
     ("beta", 0.0, "the KL penalty to a reference model"),
@@ -53,36 +60,59 @@ class SISGRPOConfig(GRPOConfig):
 
     sis_strategy: str = field(
         default="sis",
-        metadata={"help": "Importance ratio in the loss: 'sis', 'is', 'tis', 'icepop', or 'off' for TRL's own loss."},
+        metadata={
+            "help": "Importance ratio in the loss: 'sis', 'is', 'tis', 'icepop', or 'off' for TRL's own loss."
+        },
     )
-    sis_k: int = field(default=20, metadata={"help": "K: size of the behaviour top-K set V_K (10-50 in the paper)."})
-    sis_seed: int = field(default=0, metadata={"help": "Seed of the uniforms u of the accept test (plus the rank)."})
+    sis_k: int = field(
+        default=20, metadata={"help": "K: size of the behaviour top-K set V_K (10-50 in the paper)."}
+    )
+    sis_seed: int = field(
+        default=0, metadata={"help": "Seed of the uniforms u of the accept test (plus the rank)."}
+    )
     sis_chunk_size: int | None = field(
-        default=None, metadata={"help": "Gather log-probs in chunks of this many time steps (None: one chunk)."}
+        default=None,
+        metadata={"help": "Gather log-probs in chunks of this many time steps (None: one chunk)."},
     )
     sis_tis_cap: float = field(default=2.0, metadata={"help": "Ratio cap C of the 'tis' strategy."})
-    sis_icepop_low: float = field(default=0.5, metadata={"help": "Lower ratio bound of the 'icepop' strategy."})
-    sis_icepop_high: float = field(default=2.0, metadata={"help": "Upper ratio bound of the 'icepop' strategy."})
+    sis_icepop_low: float = field(
+        default=0.5, metadata={"help": "Lower ratio bound of the 'icepop' strategy."}
+    )
+    sis_icepop_high: float = field(
+        default=2.0, metadata={"help": "Upper ratio bound of the 'icepop' strategy."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.sis_strategy not in (*RATIO_STRATEGIES, "off"):
-            raise ValueError(f"sis_strategy must be one of {[*RATIO_STRATEGIES, 'off']}, got {self.sis_strategy!r}")
+            raise ValueError(
+                f"sis_strategy must be one of {[*RATIO_STRATEGIES, 'off']}, got {self.sis_strategy!r}"
+            )
         if self.sis_strategy == "off":
             return
         if self.sis_k < 1:
             raise ValueError(f"sis_k must be an integer >= 1, got {self.sis_k!r}")
         if self.use_vllm and self.vllm_mode == "colocate" and self.sis_k > 20:
-            # TRL builds the colocated `vllm.LLM` with vLLM's default max_logprobs (20); `trl vllm-serve` lifts it.
-            raise ValueError(f"sis_k={self.sis_k} exceeds vLLM's default max_logprobs=20 in colocate mode; use <= 20")
+            # TRL builds the colocated `vllm.LLM` with vLLM's default max_logprobs (20); vllm-serve lifts it.
+            raise ValueError(
+                f"sis_k={self.sis_k} exceeds vLLM's default max_logprobs=20 in colocate mode; use <= 20"
+            )
         if self.loss_type not in _AGG:
-            raise ValueError(f"loss_type {self.loss_type!r} is not supported with SIS; expected one of {list(_AGG)}")
+            raise ValueError(
+                f"loss_type {self.loss_type!r} is not supported with SIS; expected one of {list(_AGG)}"
+            )
         if self.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+            raise ValueError(
+                "importance_sampling_level must be 'token' or 'sequence', "
+                f"got {self.importance_sampling_level!r}"
+            )
         for name, neutral, what in _UNSUPPORTED:
             if getattr(self, name, neutral) != neutral:
-                raise ValueError(f"{name}={getattr(self, name)!r} ({what}) is not supported with SIS; set {name}={neutral!r}")
-        # SIS already turns the stale and mismatched tokens on-policy; TRL's correction would multiply a second ratio.
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} ({what}) is not supported with SIS; "
+                    f"set {name}={neutral!r}"
+                )
+        # SIS already turns stale and mismatched tokens on-policy; TRL's correction would add a second ratio.
         self.vllm_importance_sampling_correction = False
 
 
@@ -91,14 +121,16 @@ def sampled_first(
     token_ids: Sequence[Sequence[Sequence[int]]],
     completion_ids: Sequence[Sequence[int]],
     k: int,
-) -> tuple[list[list[list[float | None]]], list[list[list[int]]], list[list[list[int]]], list[list[list[float]]]]:
+) -> tuple[
+    list[list[list[float | None]]], list[list[list[int]]], list[list[list[int]]], list[list[list[float]]]
+]:
     """Split vLLM's per-token candidates into the sampled token's entry and q's top-K.
 
-    Input (TRL's `VLLMGeneration.generate` with `logprobs=K`): per sequence, per token, up to K + 1 (log-prob, id)
-    pairs sorted by rank; the sampled token is among them even when it is outside the top K. Returns the candidates
-    reordered so the sampled token comes first (TRL reads entry 0 as the sampling log-prob), and the top-K ids and
-    log-probs in rank order. Missing entries (NaN/None, or fewer than K returned) get log q = +inf, so they never
-    win M_t = max_v pi(v) / q(v).
+    Input (TRL's `VLLMGeneration.generate` with `logprobs=K`): per sequence, per token, up to K + 1 (log-prob,
+    id) pairs sorted by rank; the sampled token is among them even when it is outside the top K. Returns the
+    candidates reordered so the sampled token comes first (TRL reads entry 0 as the sampling log-prob), and
+    the top-K ids and log-probs in rank order. Missing entries (NaN/None, or fewer than K returned) get log q
+    = +inf, so they never win M_t = max_v pi(v) / q(v).
     """
     first_lp: list[list[list[float | None]]] = []
     first_ids: list[list[list[int]]] = []
@@ -106,13 +138,18 @@ def sampled_first(
     topk_lp: list[list[list[float]]] = []
     for seq_lp, seq_ids, sampled in zip(logprobs, token_ids, completion_ids, strict=True):
         if len(seq_lp) != len(sampled):
-            raise ValueError(f"vLLM returned log-probs for {len(seq_lp)} tokens but the completion has {len(sampled)}")
+            raise ValueError(
+                f"vLLM returned log-probs for {len(seq_lp)} tokens but the completion has {len(sampled)}"
+            )
         row_lp, row_ids, row_top, row_toplp = [], [], [], []
         for lp, ids, tok in zip(seq_lp, seq_ids, sampled, strict=True):
             j = list(ids).index(tok)  # ValueError here means vLLM did not include the sampled token
             row_lp.append([lp[j], *lp[:j], *lp[j + 1 :]])
             row_ids.append([ids[j], *ids[:j], *ids[j + 1 :]])
-            top = [(i, math.inf if x is None or math.isnan(x) else x) for i, x in list(zip(ids, lp, strict=True))[:k]]
+            top = [
+                (i, math.inf if x is None or math.isnan(x) else x)
+                for i, x in list(zip(ids, lp, strict=True))[:k]
+            ]
             top += [(0, math.inf)] * (k - len(top))
             row_top.append([i for i, _ in top])
             row_toplp.append([x for _, x in top])
@@ -123,7 +160,9 @@ def sampled_first(
     return first_lp, first_ids, topk_ids, topk_lp
 
 
-def _pad_right(rows: Sequence[Sequence[Any]], width: int, fill: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _pad_right(
+    rows: Sequence[Sequence[Any]], width: int, fill: float, dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """Right-pad per-sequence lists ([T_i] or [T_i, K]) into a [B, width(, K)] tensor."""
     tensors = [torch.tensor(r, dtype=dtype) for r in rows]
     shape = (len(rows), width, *tensors[0].shape[1:]) if tensors else (0, width)
@@ -144,14 +183,20 @@ class SISGRPOTrainer(GRPOTrainer):
         self.sis_args = cfg
         self.sis_on = cfg.sis_strategy != "off"
         self._sis_generator: torch.Generator | None = None
-        self._sis_vllm_batch: tuple[list[list[list[int]]], list[list[list[float]]], list[list[float]]] | None = None
+        self._sis_vllm_batch: (
+            tuple[list[list[list[int]]], list[list[list[float]]], list[list[float]]] | None
+        ) = None
         if self.sis_on and self.use_vllm:
             if self.tools or self.rollout_func is not None:
-                raise ValueError("SIS on the vLLM path supports single-turn generation only (no tools, no rollout_func)")
+                raise ValueError(
+                    "SIS on the vLLM path supports single-turn generation only (no tools, no rollout_func)"
+                )
             self.vllm_generation.logprobs = cfg.sis_k
-            self.vllm_generation.generate = self._wrap_vllm_generate(self.vllm_generation.generate)  # type: ignore[method-assign]
+            wrapped = self._wrap_vllm_generate(self.vllm_generation.generate)
+            self.vllm_generation.generate = wrapped  # type: ignore[method-assign]
 
-    # --- behaviour policy q, recorded once per generation ---------------------------------------------------------
+    # --- behaviour policy q, recorded once per generation
+    # ---------------------------------------------------------
 
     def _wrap_vllm_generate(self, generate: Callable[..., Any]) -> Callable[..., Any]:
         k = self.sis_args.sis_k
@@ -175,13 +220,17 @@ class SISGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = completion_ids.shape[1]
-        # logits_to_keep = T + 1: the last prompt position predicts the first completion token; the last one is unused.
+        # logits_to_keep = T + 1: the last prompt position predicts the first completion token; the last one
+        # is unused.
         with self.accelerator.autocast():  # the same mixed precision as TRL's own log-prob forward
-            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=t + 1, use_cache=False)
+            out = model(
+                input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=t + 1, use_cache=False
+            )
         return out.logits[:, :-1, :]
 
     def _behaviour_fields(self, batch: dict[str, Any]) -> dict[str, Tensor]:
-        """`sis_logq` [B, T], `sis_topk_ids` [B, T, K], `sis_topk_logq` [B, T, K] for a fresh generation batch."""
+        """`sis_logq` [B, T], `sis_topk_ids` [B, T, K], `sis_topk_logq` [B, T, K] for a fresh generation
+        batch."""
         cfg = self.sis_args
         completion_ids = batch["completion_ids"]
         width, device = completion_ids.shape[1], completion_ids.device
@@ -193,18 +242,28 @@ class SISGRPOTrainer(GRPOTrainer):
             return {
                 "sis_logq": _pad_right(sampled, width, 0.0, torch.float32, device),
                 "sis_topk_ids": _pad_right(top_ids, width, 0, torch.long, device),
-                "sis_topk_logq": _pad_right(top_lp, width, math.inf, torch.float32, device),  # masked positions
+                "sis_topk_logq": _pad_right(
+                    top_lp, width, math.inf, torch.float32, device
+                ),  # masked positions
             }
-        # `recompute` source: same weights as the generation, no grad, in chunks of the training micro-batch size.
+        # `recompute` source: same weights as the generation, no grad, in chunks of the training micro-batch
+        # size.
         model = self.model
         assert model is not None  # GRPOTrainer always holds its model
         step = cfg.per_device_train_batch_size
         parts: list[tuple[Tensor, Tensor, Tensor]] = []
         with torch.no_grad():
             for s in range(0, completion_ids.shape[0], step):
-                rows = {key: batch[key][s : s + step] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+                rows = {
+                    key: batch[key][s : s + step]
+                    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                }
                 logits = self._completion_logits(model, rows)
-                parts.append(behaviour_topk(logits, rows["completion_ids"], cfg.sis_k, self.temperature, cfg.sis_chunk_size))
+                parts.append(
+                    behaviour_topk(
+                        logits, rows["completion_ids"], cfg.sis_k, self.temperature, cfg.sis_chunk_size
+                    )
+                )
         logq, topk_ids, topk_logq = (torch.cat(p, dim=0) for p in zip(*parts, strict=True))
         return {"sis_logq": logq, "sis_topk_ids": topk_ids, "sis_topk_logq": topk_logq}
 
@@ -220,7 +279,8 @@ class SISGRPOTrainer(GRPOTrainer):
             batch.update(fields)
         return batch
 
-    # --- the loss, at every update ----------------------------------------------------------------------------------
+    # --- the loss, at every update
+    # ----------------------------------------------------------------------------------
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if self._sis_generator is None:
@@ -231,7 +291,8 @@ class SISGRPOTrainer(GRPOTrainer):
     def _aggregation(self, inputs: dict[str, Any], mode: str) -> tuple[str, float | None, int, float]:
         """(agg_mode, global_tokens, dp_size, divisor) reproducing TRL's normalisation of `loss_type`."""
         cfg = self.sis_args
-        assert cfg.steps_per_generation is not None and cfg.max_completion_length is not None  # set by __post_init__
+        # both set by GRPOConfig.__post_init__
+        assert cfg.steps_per_generation is not None and cfg.max_completion_length is not None
         accumulation = float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
         if cfg.loss_type == "dapo":
             # TRL: sum / (tokens of the generation batch / processes * accumulation / steps_per_generation)
@@ -248,10 +309,16 @@ class SISGRPOTrainer(GRPOTrainer):
         cfg = self.sis_args
         mode = "train" if model.training else "eval"
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = (
+            inputs["completion_mask"]
+            if "tool_mask" not in inputs
+            else inputs["completion_mask"] * inputs["tool_mask"]
+        )
         topk_ids = inputs["sis_topk_ids"]
         logits = self._completion_logits(model, inputs)  # [B, T, V]
-        logp, topk_logp = token_and_topk_logprobs(logits, completion_ids, topk_ids, self.temperature, cfg.sis_chunk_size)
+        logp, topk_logp = token_and_topk_logprobs(
+            logits, completion_ids, topk_ids, self.temperature, cfg.sis_chunk_size
+        )
         ratio = compute_log_ratio(
             cfg.sis_strategy,
             logp=logp,

@@ -8,13 +8,13 @@ Two pieces, both calling the SIS core (`sisrl.trainer.sis`, `sisrl.trainer.losse
    `(scalar loss, metrics)`. Bypass semantics: `old_log_prob` must be the rollout (vLLM) log-probs, i.e. q.
    verl passes no top-K to a policy loss, so the SIS inputs arrive through `sis_tokens(...)`, a context set
    around the call.
-2. `sis_actor_loss`: the actor loss function for verl's engine workers (`set_loss_fn`). verl's engine calls the
-   loss function first as a logits processor on the (temperature-scaled, padding-removed) logits when the batch
-   carries `distillation_use_topk=True`: there it gathers log pi at q's top-K ids (fused kernels must be off).
-   Then, as the loss, it puts those top-K log-probs in the `sis_tokens` context and calls verl's own `ppo_loss`,
-   so entropy, KL and metrics stay verl's. Batch keys it reads: `sis_topk_ids` and `sis_topk_logq`, [B, T, K]
-   tensors (response-padded, like `rollout_log_probs`) or the per-sequence lists the rollout server puts in its
-   `extra_fields` (`sisrl.trainer.plugins.verl_rollout`).
+2. `sis_actor_loss`: the actor loss function for verl's engine workers (`set_loss_fn`). verl's engine calls
+   the loss function first as a logits processor on the (temperature-scaled, padding-removed) logits when the
+   batch carries `distillation_use_topk=True`: there it gathers log pi at q's top-K ids (fused kernels must be
+   off). Then, as the loss, it puts those top-K log-probs in the `sis_tokens` context and calls verl's own
+   `ppo_loss`, so entropy, KL and metrics stay verl's. Batch keys it reads: `sis_topk_ids` and
+   `sis_topk_logq`, [B, T, K] tensors (response-padded, like `rollout_log_probs`) or the per-sequence lists
+   the rollout server puts in its `extra_fields` (`sisrl.trainer.plugins.verl_rollout`).
 
 Import this module only where verl is installed; `import sisrl.trainer` never imports verl.
 """
@@ -40,7 +40,8 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 SIS_LOSS = "sis"
 SIS_GSPO_LOSS = "sis_gspo"
-TOPK_LOGP_KEY = "sis_topk_logp_{}"  # model_output keys, one per top-K rank (verl keeps per-token scalars only)
+# model_output keys, one per top-K rank (verl's engine keeps per-token scalars only)
+TOPK_LOGP_KEY = "sis_topk_logp_{}"
 _GATHER_CHUNK = 2048  # packed tokens per log-prob gather: bounds the float32 copy of [tokens, V] logits
 
 
@@ -68,7 +69,7 @@ def sis_tokens(tokens: SISTokens) -> Iterator[None]:
 
 
 def _generator(device: torch.device) -> torch.Generator:
-    """One generator of the accept-test uniforms per device, seeded by $SISRL_SIS_SEED (default 0) + global rank."""
+    """One generator of the accept test's uniforms per device; seed $SISRL_SIS_SEED (default 0) + rank."""
     if device not in _GENERATORS:
         seed = int(os.environ.get("SISRL_SIS_SEED", "0")) + int(os.environ.get("RANK", "0"))
         _GENERATORS[device] = torch.Generator(device=device).manual_seed(seed)
@@ -83,7 +84,8 @@ def _verl_aggregation(mode: str, mask: Tensor, info: dict[str, Any]) -> tuple[st
     global tokens. token-mean maps directly; seq-mean-* differ by local rows * dp_size / global sequences.
     """
     dp = int(info.get("dp_size") or 1)
-    tokens, seqs, scale = info.get("batch_num_tokens"), info.get("global_batch_size"), info.get("loss_scale_factor")
+    tokens, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
+    scale = info.get("loss_scale_factor")
     if mode == "token-mean":
         return "token-mean", (None if tokens is None else float(tokens)), dp, 1.0
     if mode == "token-sum":
@@ -94,7 +96,8 @@ def _verl_aggregation(mode: str, mask: Tensor, info: dict[str, Any]) -> tuple[st
     denominator = float(seqs) if seqs is not None else float((mask.sum(-1) > 0).sum())
     factor = rows * dp / max(denominator, 1.0)
     if mode == "seq-mean-token-sum-norm" and scale is not None:
-        factor *= mask.shape[-1] / float(scale)  # ours divides by the padded length, verl by loss_scale_factor
+        # ours divides by the padded length, verl by loss_scale_factor
+        factor *= mask.shape[-1] / float(scale)
     return mode, None, 1, factor
 
 
@@ -112,8 +115,8 @@ def _sis_policy_loss(
     tokens = _CURRENT.get()
     if tokens is None:
         raise RuntimeError(
-            "the SIS policy loss needs q's top-K: install `sis_actor_loss` as the actor loss, or call it inside "
-            "`with sis_tokens(SISTokens(...))`"
+            "the SIS policy loss needs q's top-K: install `sis_actor_loss` as the actor loss, "
+            "or call it inside `with sis_tokens(SISTokens(...))`"
         )
     if rollout_is_weights is not None:
         raise ValueError(
@@ -164,7 +167,15 @@ def sis_policy_loss(
     """PPO/DAPO clipped loss on the SIS ratio ([B, T] tensors; DAPO = clip_ratio_high 0.28 + token-mean)."""
     dual = config.get("clip_ratio_c", 3.0) if config is not None else None
     return _sis_policy_loss(
-        "grpo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, dual
+        "grpo",
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        dual,
     )
 
 
@@ -180,15 +191,26 @@ def sis_gspo_policy_loss(
 ) -> tuple[Tensor, dict[str, Any]]:
     """GSPO on SIS per-token log-ratios (accepted tokens add 0 to log s_i); no dual clip, as verl's `gspo`."""
     return _sis_policy_loss(
-        "gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, None
+        "gspo",
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        None,
     )
 
 
-def rank_topk(position_logprobs: Sequence[Mapping[int, Any]], k: int) -> tuple[list[list[int]], list[list[float]]]:
+def rank_topk(
+    position_logprobs: Sequence[Mapping[int, Any]], k: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """q's top-K ids and log-probs per response token from vLLM's per-token `{token_id: Logprob}` dicts.
 
-    With `logprobs=K` vLLM returns the K most probable tokens (`Logprob.rank` 1..K) plus the sampled token when it
-    ranks lower; the sampled one is dropped here unless it is in the top K. Returns [T][K] ids and log-probs.
+    With `logprobs=K` vLLM returns the K most probable tokens (`Logprob.rank` 1..K) plus the sampled token
+    when it ranks lower; the sampled one is dropped here unless it is in the top K. Returns [T][K] ids and
+    log-probs.
     """
     ids, logprobs = [], []
     for entries in position_logprobs:
@@ -247,7 +269,8 @@ def _lengths(data: Any) -> tuple[list[int], list[int]]:
 
 
 def _packed_positions(data: Any) -> tuple[list[int], list[int]]:
-    """Per sequence: packed index of the logit that predicts its first response token, and the response length.
+    """Per sequence: packed index of the logit that predicts its first response token, and the response
+    length.
 
     Same layout as verl's `no_padding_2_padding`: sequences packed back to back (valid prompt then valid
     response), the logit at packed index i predicting token i + 1.
@@ -273,8 +296,8 @@ def topk_logp_outputs(student_logits: Tensor, data: Any) -> dict[str, Tensor]:
     starts, lens = _packed_positions(data)
     if starts and starts[-1] + lens[-1] + 1 != logits.shape[0]:
         raise ValueError(
-            f"packed logits have {logits.shape[0]} rows but the batch has {starts[-1] + lens[-1] + 1} tokens; "
-            "SIS does not support Ulysses sequence parallelism"
+            f"packed logits have {logits.shape[0]} rows but the batch has {starts[-1] + lens[-1] + 1} "
+            "tokens; SIS does not support Ulysses sequence parallelism"
         )
     for b, (s, r) in enumerate(zip(starts, lens, strict=True)):
         ids[s : s + r] = topk_ids[b, :r].to(logits.device)
@@ -302,10 +325,11 @@ def sis_actor_loss(
     topk_ids, topk_logq = _sis_batch(data)
     k = topk_ids.shape[-1]
     if TOPK_LOGP_KEY.format(0) not in model_output:
-        raise RuntimeError("no top-K log-probs in the model output: set distillation_use_topk=True on the batch")
-    topk_logp = torch.stack(
-        [no_padding_2_padding(model_output[TOPK_LOGP_KEY.format(j)], data) for j in range(k)], dim=-1
-    )  # [B, T, K]
+        raise RuntimeError(
+            "no top-K log-probs in the model output: set distillation_use_topk=True on the batch"
+        )
+    ranks = [no_padding_2_padding(model_output[TOPK_LOGP_KEY.format(j)], data) for j in range(k)]
+    topk_logp = torch.stack(ranks, dim=-1)  # [B, T, K]
     tokens = SISTokens(
         topk_logp=topk_logp,
         topk_logq=topk_logq.to(topk_logp.device),

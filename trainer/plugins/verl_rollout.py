@@ -1,12 +1,12 @@
 """GPU half of the verl plug-in (verl 0.9.1 + vLLM): a rollout server that records q's top-K, and the wiring.
 
 Written against verl 0.9.1's source and NOT run here (it needs vLLM and CUDA); docs/plugins.md has the recipe.
-- `SISvLLMHttpServer` asks vLLM for `logprobs=K` ($SISRL_SIS_K, default 20) on every request that asks for log-probs,
-  keeps verl's own sampled-token log-prob, and adds `sis_topk_ids` / `sis_topk_logq` ([T][K] lists) to the
-  `TokenOutput.extra_fields`, which verl's agent loop turns into per-sample batch fields.
+- `SISvLLMHttpServer` asks vLLM for `logprobs=K` ($SISRL_SIS_K, default 20) on every request that asks for
+  log-probs, keeps verl's own sampled-token log-prob, and adds `sis_topk_ids` / `sis_topk_logq` ([T][K] lists)
+  to the `TokenOutput.extra_fields`, which verl's agent loop turns into per-sample batch fields.
 - `register_sis_vllm_rollout()` makes rollout name `vllm` build replicas of that server.
-- `install_sis(trainer)` sets `sis_actor_loss` as the actor loss on the workers and turns on the engine's top-K
-  logits-processor call (`distillation_use_topk`) for every actor update.
+- `install_sis(trainer)` sets `sis_actor_loss` as the actor loss on the workers and turns on the engine's
+  top-K logits-processor call (`distillation_use_topk`) for every actor update.
 - `SISRayPPOTrainer` does both around `init_workers()`; `setup_worker`, given to Ray as
   `runtime_env.worker_process_setup_hook`, makes verl's (v0) TaskRunner build it, in every Ray process.
 """
@@ -47,8 +47,12 @@ class SISvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
             return
         k, engine_generate = sis_k(), engine.generate
 
-        async def generate(*, prompt: Any, sampling_params: Any, request_id: str, **kw: Any) -> AsyncIterator[Any]:
-            if sampling_params.logprobs is not None:  # verl asked for the sampled token's log-prob: ask for K more
+        async def generate(
+            *, prompt: Any, sampling_params: Any, request_id: str, **kw: Any
+        ) -> AsyncIterator[Any]:
+            if (
+                sampling_params.logprobs is not None
+            ):  # verl asked for the sampled token's log-prob: ask for K more
                 sampling_params.logprobs = k
             final = None
             async for output in engine_generate(
@@ -61,7 +65,9 @@ class SISvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
 
         engine.generate = generate
 
-    async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, **kwargs: Any) -> Any:
+    async def generate(
+        self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, **kwargs: Any
+    ) -> Any:
         output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
         topk = self._sis_topk.pop(request_id, None)
         if topk is not None:
@@ -78,18 +84,22 @@ class SISvLLMReplica(vLLMReplica):  # type: ignore[misc]
 
 
 def register_sis_vllm_rollout() -> None:
-    """Rollout name `vllm` now builds `SISvLLMReplica`; call it in the process that creates the rollout replicas
+    """Rollout name `vllm` now builds `SISvLLMReplica`; call it in the process that creates the rollout
+    replicas
     (verl's TaskRunner) before the trainer's `init_workers()`."""
     RolloutReplicaRegistry.register("vllm", lambda: SISvLLMReplica)
 
 
 def install_sis(trainer: Any) -> None:
-    """After `trainer.init_workers()`: SIS actor loss on every actor worker, top-K logits processor switched on.
+    """After `trainer.init_workers()`: SIS actor loss on every actor worker, top-K logits processor switched
+    on.
 
     Works with verl's `RayPPOTrainer` (TensorDict batches) and the v1 trainer (`KVBatchMeta.extra_info`).
     """
     if trainer.config.actor_rollout_ref.model.get("use_fused_kernels", False):
-        raise ValueError("SIS gathers K log-probs from the logits: set actor_rollout_ref.model.use_fused_kernels=False")
+        raise ValueError(
+            "SIS gathers K log-probs from the logits: set actor_rollout_ref.model.use_fused_kernels=False"
+        )
     actor_config = omega_conf_to_dataclass(trainer.config.actor_rollout_ref.actor)
     group = trainer.actor_rollout_wg
     group.set_loss_fn(functools.partial(sis_actor_loss, config=actor_config))
@@ -109,14 +119,17 @@ class SISRayPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
     """verl's `RayPPOTrainer` with the SIS rollout server and actor loss; the training loop is verl's."""
 
     def init_workers(self) -> None:
-        register_sis_vllm_rollout()  # before the agent loop manager, built inside init_workers, makes replicas
+        # before the agent loop manager, built inside init_workers, makes the rollout replicas
+        register_sis_vllm_rollout()
         super().init_workers()
         install_sis(self)
 
 
 def setup_worker() -> None:
-    """Ray `worker_process_setup_hook`: registers the SIS losses and points verl's v0 TaskRunner, which builds its
-    trainer by the module-level name `RayPPOTrainer`, at `SISRayPPOTrainer`. Runs once in every Ray process."""
+    """Ray `worker_process_setup_hook`: registers the SIS losses and points verl's v0 TaskRunner, which builds
+    its
+    trainer by the module-level name `RayPPOTrainer`, at `SISRayPPOTrainer`. Runs once in every Ray
+    process."""
     import sisrl.trainer.plugins.verl  # noqa: F401  (registers `sis` and `sis_gspo` with verl)
     import verl.trainer.main_ppo_v0 as task_runner_module
 

@@ -24,7 +24,12 @@ from transformers import PreTrainedTokenizerBase  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 K = 8
-PROMPTS = ["Who wrote Hamlet?", "What is the capital of France?", "Name a prime number.", "Why is the sky blue?"]
+PROMPTS = [
+    "Who wrote Hamlet?",
+    "What is the capital of France?",
+    "Name a prime number.",
+    "Why is the sky blue?",
+]
 
 
 def length_reward(completions: list[str], **_: Any) -> list[float]:
@@ -70,8 +75,8 @@ def _trainer(tokenizer: PreTrainedTokenizerBase, cfg: SISGRPOConfig) -> SISGRPOT
 
 
 def test_three_steps_accept_all_then_fewer(tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
-    # Micro-batches of 2, two per step: TRL shuffles each generation of 4 and splits it in two. Generation at step 0
-    # (steps 0 and 1 reuse it) and at step 2: steps 0 and 2 are first iterations, step 1 a second one.
+    # Micro-batches of 2, two per step: TRL shuffles each generation of 4 and splits it in two. Generation at
+    # step 0 (steps 0 and 1 reuse it) and at step 2: steps 0 and 2 are first iterations, step 1 a second one.
     cfg = _config(tmp_path, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     trainer = _trainer(tokenizer, cfg)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -94,8 +99,9 @@ def test_three_steps_accept_all_then_fewer(tokenizer: PreTrainedTokenizerBase, t
 def test_all_accepted_equals_trl_loss(
     tokenizer: PreTrainedTokenizerBase, tmp_path: Path, loss_type: str, level: str
 ) -> None:
-    # Before any update pi = q, so SIS accepts every token (ratio exp(logp - sg(logp)) = 1, on-policy gradient) and
-    # TRL's ratio exp(logp - old_logp) is 1 too: value and gradient of the two losses must agree.
+    # Before any update pi = q, so SIS accepts every token (ratio exp(logp - sg(logp)) = 1, on-policy
+    # gradient) and TRL's ratio exp(logp - old_logp) is 1 too: value and gradient of the two losses must
+    # agree.
     trainer = _trainer(tokenizer, _config(tmp_path, loss_type=loss_type, importance_sampling_level=level))
     model = trainer.model
     model.train()
@@ -120,8 +126,8 @@ def test_all_accepted_equals_trl_loss(
 
 
 def test_sampled_first_takes_the_sampled_token_not_rank_one() -> None:
-    # Two tokens; K = 2. Token 0: sampled id 7 is rank 2 (inside the top-2). Token 1: sampled id 9 is outside the
-    # top-2, so vLLM appends it as a third entry (rank 40).
+    # Two tokens; K = 2. Token 0: sampled id 7 is rank 2 (inside the top-2). Token 1: sampled id 9 is outside
+    # the top-2, so vLLM appends it as a third entry (rank 40).
     logprobs = [[[-0.5, -1.0], [-0.2, -2.0, -6.0]]]
     ids = [[[3, 7], [4, 5, 9]]]
     first_lp, first_ids, top_ids, top_lp = sampled_first(logprobs, ids, [[7, 9]], k=2)
@@ -151,8 +157,9 @@ def test_config_turns_trl_is_correction_off_and_validates(tmp_path: Path) -> Non
 
 
 def test_vllm_outputs_become_padded_sis_fields(tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
-    # TRL's `VLLMGeneration.generate` output with logprobs=K=2 (rank order, sampled token appended when outside the
-    # top 2); the wrapper must hand TRL the sampled token's log-prob first and keep q's top-K for the loss.
+    # TRL's `VLLMGeneration.generate` output with logprobs=K=2 (rank order, sampled token appended when
+    # outside the top 2); the wrapper must hand TRL the sampled token's log-prob first and keep q's top-K for
+    # the loss.
     trainer = _trainer(tokenizer, _config(tmp_path, sis_k=2, top_k=0))
     completions = [[7, 9], [4]]
     logprobs = [[[-0.5, -1.0], [-0.2, -2.0, -6.0]], [[-0.3, -1.5]]]

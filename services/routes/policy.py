@@ -14,12 +14,14 @@ router = APIRouter(prefix="/v1/policy", tags=["policy"])
 def resolve_checkpoint(root: Path, path: str) -> Path:
     """`path` (absolute, or relative to `root`) resolved; HTTPException unless it is a directory under `root`."""
     base = root.resolve()
-    if "\x00" in path:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail="path contains a NUL byte")
-    target = (base / path).resolve()
+    try:
+        target = (base / path).resolve()
+        is_dir = target.is_relative_to(base) and target.is_dir()
+    except (OSError, ValueError) as exc:  # NUL bytes, names too long for the file system
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, detail=f"unusable path {path!r}: {exc}") from exc
     if not target.is_relative_to(base):
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"path {path!r} is outside the checkpoint root {base}")
-    if not target.is_dir():
+    if not is_dir:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"checkpoint directory {str(target)!r} not found")
     return target
 
@@ -36,7 +38,7 @@ async def load_policy(body: PolicyUpdate, state: StateDep) -> PolicyPublic:
         try:
             await state.engine.load_weights(str(target), body.version)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+            raise HTTPException(status.HTTP_400_BAD_REQUEST,
                                 detail=f"could not load {str(target)!r}: {type(exc).__name__}: {exc}") from exc
         state.policy_path = str(target)
         state.metrics.policy_version.set(body.version)

@@ -10,25 +10,16 @@ from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.concurrency import run_in_threadpool
 from sisrl.services import store
 from sisrl.services.deps import SessionDep, StateDep
-from sisrl.services.rewards import reward_spec
 from sisrl.services.schemas import BatchCreated, FinishReason, RolloutCreate, RolloutPage, Trajectory
 from sisrl.services.state import GatewayState
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
 
 
-def _check_sources(state: GatewayState, body: RolloutCreate) -> None:
-    for item in body.items:
-        try:
-            reward_spec(item.data_source, state.runner.deps.reward_specs)
-        except ValueError as exc:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"item {item.id!r}: {exc}") from exc
-
-
 def _reserve(state: GatewayState, n: int) -> None:
     limit = state.settings.max_pending
     if n > limit:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
                             detail=f"batch of {n} trajectories exceeds max_pending={limit}; split it")
     if state.runner.pending + n > limit:
         state.metrics.rejected.inc()
@@ -66,9 +57,6 @@ def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
 async def create_rollouts(body: RolloutCreate, state: StateDep) -> BatchCreated:
     """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work:
     it returns the same batch, and an interrupted batch runs only its missing samples."""
-    _check_sources(state, body)
-    if len({item.id for item in body.items}) != len(body.items):
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail="item ids must be unique within a batch")
     payload = body.model_dump(mode="json")
     fingerprint = store.request_fingerprint(payload)
     async with state.submit_lock:

@@ -118,6 +118,7 @@ class Gateway:
     db_url: str
     log: Path
     process: subprocess.Popen[bytes]
+    root: Path = Path(".")  # the checkpoint root (POST /v1/policy)
     token: str | None = None
     client: httpx.Client = field(init=False)
 
@@ -161,7 +162,7 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayF
                                    stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, process, log)
-        gateway = Gateway(url=url, args=args, db_url=db_url, log=log, process=process, token=token)
+        gateway = Gateway(url=url, args=args, db_url=db_url, log=log, process=process, root=tmp, token=token)
         started.append(gateway)
         return gateway
 
@@ -219,10 +220,29 @@ def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactor
     env.pop("SISRL_ENGINE_API_TOKEN", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "sisrl.services.engines.openai_server", "--model", str(tiny_policy_dir),
-         "--port", str(port), "--checkpoint-root", str(root), "--max-tokens", "16", "--log-level", "warning"],
+         "--port", str(port), "--checkpoint-root", str(root), "--max-tokens", "16", "--log-level", "warning",
+         "--threads", "1"],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
     )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process, log)
     yield PolicyServer(url=url, checkpoint_root=root, log=log, process=process)
     stop_process(process)
+
+
+@pytest.fixture(scope="session")
+def gateway_token() -> str:
+    return GATEWAY_TOKEN
+
+
+@pytest.fixture(scope="session")
+def local_gateway(start_gateway: GatewayFactory, tiny_policy_dir: Path, retriever_url: str) -> Gateway:
+    """The tiny policy on the local engine behind a gateway with a bearer token and small work limits."""
+    return start_gateway("--engine", "local", "--model", str(tiny_policy_dir), "--retriever-url", retriever_url,
+                         "--max-pending", "8", "--max-response-tokens", "128", "--max-request-bytes", "65536",
+                         token=GATEWAY_TOKEN)
+
+
+@pytest.fixture(scope="session")
+def free_port_fn() -> Callable[[], int]:
+    return free_port

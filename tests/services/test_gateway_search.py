@@ -3,6 +3,7 @@ passages, a real gateway subprocess. Checks the observation, token exactness, re
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 from sisrl.services.agent import SearchR1Protocol
 from sisrl.services.policy_models import load_tokenizer
-from sisrl.services.retrieval_client import Passage
+from sisrl.services.retrieval_client import Passage, RetrievalClient
 
 SEARCH_TURN = "<think>I need to look this up.</think>\n<search>vampire diaries number of seasons</search>"
 ANSWER_TURN = "<think>The passage says.</think>\n<answer>Eight</answer>"
@@ -111,3 +112,21 @@ def test_queries_stats_stream_and_metrics(gateway: Any, qa_subset: Any) -> None:
     assert 'sisrl_gateway_trajectories_total{data_source="nq",finish_reason="answer"} 4.0' in metrics
     assert "sisrl_gateway_retriever_queries_total 2.0" in metrics
     assert client.get("/health").json()["engine"] == "scripted"
+
+
+def test_concurrent_queries_are_coalesced(retriever_url: str) -> None:
+    """Five trajectories searching at once share one /retrieve request; each gets its own query's answer."""
+    queries = ["vampire diaries seasons", "isle of wight island", "hot coffee mod", "battle of bull run", "danja"]
+    calls: list[tuple[str, float]] = []
+
+    async def run() -> tuple[list[list[Passage]], list[list[Passage]]]:
+        client = RetrievalClient(retriever_url, topk=2, window_s=0.02, on_request=lambda o, n: calls.append((o, n)))
+        together = await asyncio.gather(*(client.search(q) for q in queries))
+        alone = [(await client.search_many([q]))[0] for q in queries]
+        await client.aclose()
+        return list(together), alone
+
+    together, alone = asyncio.run(run())
+    assert calls[0] == ("ok", 5.0) and len(calls) == 1 + len(queries)
+    assert [[p.id for p in hits] for hits in together] == [[p.id for p in hits] for hits in alone]
+    assert all(len(hits) == 2 for hits in together)

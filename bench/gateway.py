@@ -1,0 +1,221 @@
+"""Gateway benchmark: trajectories/s of the asynchronous runner vs a turn-synchronous baseline, and overhead.
+
+Workload (skewed turn counts): a fraction of the trajectories answers at once, the rest search 3-4 times, with
+think sections of random length. The turn texts come from a script (`sisrl.services.scripted.ScriptedEngine`,
+the workload driver) wrapped around the REAL local engine: every turn runs the real model on the real context
+for as many tokens as the scripted turn has, so engine time and batching are real while turn counts are fixed.
+The retriever is a real `sisrl-retriever serve` (started here over a small passage subset unless --retriever).
+
+Modes, same engine, retriever, workload and concurrency C:
+- async: the gateway's BatchRunner (no turn barrier; a finished trajectory frees its slot; every trajectory
+  stored in SQLite as in production).
+- turn-sync: groups of C trajectories in lock step, turn by turn (generate all, then search all), the next
+  group after the whole group finishes (verl / Search-R1 style).
+overhead = (wall - time with any engine or retriever call in flight) / wall.
+
+Run: `.venv/bin/python bench/gateway.py` (see --help). Tested on 2 shared CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from sisrl.services import store
+from sisrl.services.agent import SearchR1Protocol
+from sisrl.services.engines.base import Engine, create_engine
+from sisrl.services.metrics import GatewayMetrics
+from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from sisrl.services.retrieval_client import RetrievalClient
+from sisrl.services.rewards import DEFAULT_SPECS
+from sisrl.services.runner import BatchRunner, RunnerDeps, run_turn_synchronous
+from sisrl.services.schemas import RolloutCreate, RolloutItem, SamplingIn
+from sisrl.services.scripted import ScriptedEngine, ScriptRule
+from sisrl.services.timing import BusyClock
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+FILLER = "the passage says that this answer may depend on which of the two sources is right so check again".split()
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    trajectories: int = field(default=32, metadata={"help": "trajectories per mode"})
+    concurrency: int = field(default=8, metadata={"help": "trajectories in flight (C), both modes"})
+    quick_fraction: float = field(default=0.5, metadata={"help": "fraction that answers at once (no search)"})
+    min_searches: int = field(default=3, metadata={"help": "searches of the other trajectories, at least"})
+    max_searches: int = field(default=4, metadata={"help": "searches of the other trajectories, at most"})
+    think_min: int = field(default=4, metadata={"help": "filler words per think section, at least"})
+    think_max: int = field(default=48, metadata={"help": "filler words per think section, at most"})
+    model: str = field(default="tiny", metadata={"help": "'tiny' (random 2-layer Llama) or a policy name/path"})
+    retriever: str = field(default="", metadata={"help": "retriever URL; empty: start one over --passages"})
+    passages: int = field(default=200, metadata={"help": "corpus passages indexed when starting a retriever"})
+    seed: int = field(default=0, metadata={"help": "workload seed"})
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.quick_fraction <= 1.0:
+            raise ValueError(f"quick_fraction: expected a value in [0, 1], got {self.quick_fraction}")
+        if not 1 <= self.min_searches <= self.max_searches:
+            raise ValueError(f"searches: expected 1 <= min_searches <= max_searches, got "
+                             f"{self.min_searches}, {self.max_searches}")
+        if self.trajectories < 1 or self.concurrency < 1:
+            raise ValueError("trajectories and concurrency: expected positive integers")
+
+
+def workload(cfg: BenchConfig) -> tuple[list[RolloutItem], list[ScriptRule]]:
+    """Items and their scripted turns; the same for both modes."""
+    rng = random.Random(cfg.seed)
+    questions = [f"synthetic question number {i}" for i in range(cfg.trajectories)]
+    if (SHARED / "nq" / "dev.jsonl").is_file():
+        with (SHARED / "nq" / "dev.jsonl").open() as handle:
+            records = [json.loads(line) for _, line in zip(range(cfg.trajectories), handle, strict=False)]
+        questions[: len(records)] = [f"{r['question']} (#{i})" for i, r in enumerate(records)]
+    items, rules = [], []
+    for i, question in enumerate(questions):
+        searches = 0 if rng.random() < cfg.quick_fraction else rng.randint(cfg.min_searches, cfg.max_searches)
+
+        def think() -> str:
+            return "<think>" + " ".join(rng.choices(FILLER, k=rng.randint(cfg.think_min, cfg.think_max))) + "</think>\n"
+
+        turns = [think() + f"<search>{question}</search>" for _ in range(searches)]
+        turns.append(think() + "<answer>unknown</answer>")
+        rules.append(ScriptRule(match=question, turns=tuple(turns)))
+        items.append(RolloutItem(id=f"q{i}", question=question, golden_answers=["x"], data_source="nq"))
+    return items, rules
+
+
+def start_retriever(cfg: BenchConfig, tmp: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+    if cfg.retriever:
+        return cfg.retriever, None
+    corpus = tmp / "passages.jsonl"
+    with (SHARED / "corpus" / "wiki_passages.jsonl").open() as src, corpus.open("w") as dst:
+        for _, line in zip(range(cfg.passages), src, strict=False):
+            dst.write(line)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(tmp / "index"), "--corpus", str(corpus),
+         "--encoder", "minilm", "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=(tmp / "retriever.log").open("wb"))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(3000):
+        if process.poll() is not None:
+            raise RuntimeError(f"retriever exited: {(tmp / 'retriever.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url, process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise RuntimeError("retriever did not start")
+
+
+@dataclass
+class Result:
+    mode: str
+    wall_s: float
+    busy: dict[str, float]
+    trajectories: int
+    searches: int
+
+
+async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: str, rules: list[ScriptRule],
+                   request: RolloutCreate, tmp: Path) -> Result:
+    tokenizer = load_tokenizer()
+    clock = BusyClock()
+    retriever = RetrievalClient(retriever_url, topk=3)
+    sessions = store.open_db(f"sqlite:///{tmp / f'{mode}.db'}")
+    deps = RunnerDeps(engine=ScriptedEngine(tokenizer, rules, base=engine), searcher=retriever,
+                      protocol=SearchR1Protocol(tokenizer), sessions=sessions, metrics=GatewayMetrics(clock),
+                      clock=clock, reward_specs=dict(DEFAULT_SPECS), max_response_tokens=4096)
+    runner = BatchRunner(deps, max_concurrency=cfg.concurrency)
+    done: list[int] = []
+    start = time.perf_counter()
+    if mode == "async":
+        with sessions() as session:
+            store.create_batch(session=session, batch_id="bench", run="bench", step=0, idempotency_key=None,
+                               request_hash="-", request_json=request.model_dump_json(), total=len(request.items))
+        runner.start(batch_id="bench", request=request, todo=[(i, 0) for i in range(len(request.items))])
+        while runner.is_running("bench"):
+            await runner.wait_change("bench", timeout=0.5)
+        with sessions() as session:
+            rows = store.batch_trajectories(session=session, batch_id="bench")
+        done = [row.num_searches for _, row in rows]
+    else:
+        await run_turn_synchronous(runner, request, concurrency=cfg.concurrency,
+                                   on_done=lambda t: done.append(len(t.turns)))
+    wall = time.perf_counter() - start
+    await retriever.aclose()
+    store.dispose(sessions)
+    return Result(mode, wall, dict(clock.busy_s), len(done), sum(done))
+
+
+def build_engine(cfg: BenchConfig) -> Engine:
+    if cfg.model == "tiny":
+        tokenizer = load_tokenizer()
+        return create_engine("local", model=build_tiny_policy(tokenizer, seed=cfg.seed), tokenizer=tokenizer,
+                             max_batch_size=cfg.concurrency)
+    return create_engine("local", model=cfg.model, max_batch_size=cfg.concurrency)
+
+
+async def bench(cfg: BenchConfig) -> list[Result]:
+    items, rules = workload(cfg)
+    request = RolloutCreate(run="bench", step=0, policy_version=0, items=items, samples_per_item=1,
+                            sampling=SamplingIn(max_new_tokens=512, logprobs_k=5, seed=cfg.seed), max_turns=8)
+    with tempfile.TemporaryDirectory(prefix="sisrl-bench-") as name:
+        tmp = Path(name)
+        url, process = start_retriever(cfg, tmp)
+        engine = build_engine(cfg)
+        try:
+            await run_mode("warmup", dataclasses.replace(cfg), engine, url, rules,
+                           request.model_copy(update={"items": items[: cfg.concurrency]}), tmp)
+            results = [await run_mode(mode, cfg, engine, url, rules, request, tmp) for mode in ("turn-sync", "async")]
+        finally:
+            await engine.close()
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=30)
+    return results
+
+
+def table(results: list[Result]) -> str:
+    head = "| mode | trajectories | searches | wall s | traj/s | engine busy s | retriever busy s | overhead % |"
+    lines = [head, "|" + "---|" * 8]
+    for r in results:
+        any_busy = r.busy.get("any", 0.0)
+        lines.append(f"| {r.mode} | {r.trajectories} | {r.searches} | {r.wall_s:.2f} | {r.trajectories / r.wall_s:.2f} | "
+                     f"{r.busy.get('engine', 0.0):.2f} | {r.busy.get('retriever', 0.0):.2f} | "
+                     f"{100 * (r.wall_s - any_busy) / r.wall_s:.1f} |")
+    sync, async_ = results
+    lines.append(f"\nasync / turn-sync throughput: {sync.wall_s / async_.wall_s:.2f}x (target >= 1.5x); "
+                 f"async overhead {100 * (async_.wall_s - async_.busy.get('any', 0.0)) / async_.wall_s:.1f} % "
+                 "(target <= 5 %)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(BenchConfig):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                            help=f.metadata["help"])
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(f"config: {dataclasses.asdict(cfg)}")
+    print(table(asyncio.run(bench(cfg))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

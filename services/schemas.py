@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from sisrl.services.rewards import DEFAULT_SPECS
 
 BatchStatus = Literal["running", "done", "failed", "partial"]

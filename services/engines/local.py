@@ -80,13 +80,20 @@ class LocalEngine:
         max_batch_size: int = 32,
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
+        num_threads: int | None = None,
     ) -> None:
         """`model`: a name (`smollm2-135m-instruct`), an HF directory, or a built model (then pass `tokenizer`).
 
-        A built model is used as is (not copied); `load_weights` writes into it.
+        A built model is used as is (not copied); `load_weights` writes into it. `num_threads` sets torch's
+        intra-op threads for the whole process; use 1 on an oversubscribed CPU, where threads that wait for a
+        descheduled peer make each small matmul hundreds of times slower.
         """
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
         if isinstance(model, str):
             tokenizer = tokenizer or load_tokenizer(model)
             model = AutoModelForCausalLM.from_pretrained(resolve_policy_path(model), dtype=dtype)

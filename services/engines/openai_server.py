@@ -66,6 +66,9 @@ class ServerSettings:
         metadata={"help": "weights may be loaded only from under this folder (unset: loading off)"},
     )
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    threads: int = field(
+        default=0, metadata={"help": "torch CPU threads (0: torch's default; 1 on a busy machine)"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     api_token: str | None = field(
         default=None, metadata={"help": f"bearer token (CLI: env {TOKEN_ENV} only)"}
@@ -75,6 +78,8 @@ class ServerSettings:
         for name in ("port", "max_batch_size", "max_logprobs", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -107,6 +112,7 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
             settings.model,
             max_batch_size=settings.max_batch_size,
             dtype=getattr(torch, settings.dtype),
+            num_threads=settings.threads or None,
         )
         yield
         await app.state.engine.close()

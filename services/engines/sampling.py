@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from sisrl.services.engines.base import GREEDY_TEMPERATURE, MIN_LOGPROB
 from transformers import PreTrainedTokenizerBase
 
@@ -43,18 +44,30 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: t
 
 
 def sample_tokens(
-    logprobs: torch.Tensor, greedy: Sequence[bool], generators: Sequence[torch.Generator]
+    logprobs: torch.Tensor, greedy: Sequence[bool], generators: Sequence[torch.Generator], block: int = 1024
 ) -> torch.Tensor:
     """Draw one token per row from exp(logprobs) with that row's own generator. [B, V] -> [B] long.
 
-    Inverse-CDF sampling: one uniform per row from the row's generator, so a seeded request is reproducible
-    whatever else shares its batch (and it is far cheaper than torch.multinomial over a 49k vocabulary).
+    Inverse-CDF sampling with one uniform per row from the row's generator, so a seeded request is reproducible
+    whatever else shares its batch. The CDF is two-level to stay cheap at a 49k vocabulary: the running total
+    of `block`-sized slice sums picks the slice, then an fp64 cumulative sum inside that slice picks the token.
+    A token of probability 0 (removed by top-p) is never drawn.
     """
-    cdf = logprobs.double().exp().cumsum(dim=-1)  # [B, V] fp64 so the tail keeps its resolution
+    rows, vocab = logprobs.shape
+    probs = logprobs.float().exp()  # [B, V]
+    pad = (-vocab) % block
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, block)  # [B, nb, block]
+    block_cdf = blocks.sum(-1).double().cumsum(-1)  # [B, nb]; fp32 pairwise sums, fp64 running total
     u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators])  # [B] in [0, 1)
-    # (1 - u) * total lies in (0, total]: the first index whose CDF reaches it never has probability 0.
-    target = ((1.0 - u) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    drawn = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)  # [B]
+    # (1 - u) * total lies in (0, total]: the first CDF entry that reaches it belongs to a token with mass > 0.
+    target = ((1.0 - u) * block_cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    b = torch.searchsorted(block_cdf, target).clamp(max=block_cdf.shape[-1] - 1)  # [B, 1] chosen slice
+    before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = blocks.gather(1, b.unsqueeze(-1).expand(-1, -1, block)).squeeze(1)  # [B, block]
+    i = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), target - before)  # [B, 1]
+    # Round-off may push the residual past the slice's last token: take its last token with mass instead.
+    last = (inside > 0).long().mul(torch.arange(block)).argmax(-1, keepdim=True)  # [B, 1]
+    drawn = (b * block + torch.minimum(i, last)).squeeze(-1)  # [B]
     return torch.where(torch.tensor(list(greedy)), logprobs.argmax(dim=-1), drawn)
 
 

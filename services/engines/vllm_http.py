@@ -52,7 +52,7 @@ class VLLMHttpEngine:
         after_weights_routes: tuple[str, ...] = (),
         max_connections: int = 256,
     ) -> None:
-        """`url`: server base URL (`http://host:port`); `model`: the served model name sent with each request."""
+        """`url`: server base URL (`http://host:port`); `model`: the served model name ("" = server default)."""
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.url = url.rstrip("/")
@@ -118,8 +118,8 @@ class VLLMHttpEngine:
 
 def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """The `/v1/completions` request for one generation (vLLM field names)."""
-    return {
-        "model": model,
+    body: dict[str, Any] = {"model": model} if model else {}  # empty: the server's default model
+    return body | {
         "prompt": prompt_ids,
         "max_tokens": params.max_new_tokens,
         "temperature": params.temperature,

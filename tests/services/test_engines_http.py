@@ -5,6 +5,7 @@ schemathesis run with zero 5xx."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
+import torch
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
@@ -30,6 +32,15 @@ QUESTIONS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The CI box has 2 cores shared by several jobs; spinning intra-op threads there cost ~100x per matmul."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     tokenizer = load_tokenizer()
@@ -37,14 +48,11 @@ def prompts() -> list[list[int]]:
 
 
 def http_engine(server: Any, **kwargs: Any) -> VLLMHttpEngine:
-    engine = create_engine("vllm-http", model="", url=server.url, retries=0, **kwargs)
+    """The vLLM-HTTP engine on the policy server, naming the model the server reports."""
+    name = str(httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"])
+    engine = create_engine("vllm-http", model=name, url=server.url, retries=0, **kwargs)
     assert isinstance(engine, VLLMHttpEngine)
-    engine.model = server_model_name(server)
     return engine
-
-
-def server_model_name(server: Any) -> str:
-    return str(httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"])
 
 
 def test_completion_speaks_vllm_wire_format(policy_server: Any, prompts: list[list[int]]) -> None:

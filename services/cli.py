@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sisrl.services.settings import GatewaySettings
 
 _TYPES: dict[Any, type] = {int: int, float: float, str: str, Path: Path}
+_ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # the short names of the command
 
 
 def _arg_type(annotation: Any) -> type:
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         env = f"SISRL_GATEWAY_{name.upper()}"
         default = "unset" if info.default is None else info.default
-        serve.add_argument(flag, dest=name, type=_arg_type(info.annotation), default=None,
+        flags = [flag, *_ALIASES.get(name, ())]
+        serve.add_argument(*flags, dest=name, type=_arg_type(info.annotation), default=None,
                            help=f"{info.description or name} (default: {default}; env {env})")
     return parser
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Annotated
 
@@ -14,6 +15,7 @@ from sisrl.services.schemas import BatchCreated, FinishReason, RolloutCreate, Ro
 from sisrl.services.state import GatewayState
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
+log = logging.getLogger(__name__)
 
 
 def _reserve(state: GatewayState, n: int) -> None:
@@ -57,6 +59,9 @@ def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
 async def create_rollouts(body: RolloutCreate, state: StateDep) -> BatchCreated:
     """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work:
     it returns the same batch, and an interrupted batch runs only its missing samples."""
+    if body.policy_version != state.engine.policy_version:
+        log.warning("batch for run %s step %d expects policy version %d, the engine has %d", body.run, body.step,
+                    body.policy_version, state.engine.policy_version)
     payload = body.model_dump(mode="json")
     fingerprint = store.request_fingerprint(payload)
     async with state.submit_lock:

@@ -1,0 +1,45 @@
+"""`sisrl-gateway serve` options: every option's default in --help, bad values named."""
+
+from __future__ import annotations
+
+import pytest
+from sisrl.services.cli import build_parser, main
+from sisrl.services.settings import GatewaySettings
+
+
+def test_help_lists_every_option_with_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in GatewaySettings.model_fields:
+        assert "--" + name.replace("_", "-") in text
+    assert "(default: local; env SISRL_GATEWAY_ENGINE)" in text and "(default: 127.0.0.1;" in text
+    assert "--retriever RETRIEVER_URL" in text and "--db DB_URL" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "x"], "argument --port: invalid int value: 'x'"),
+        (["serve", "--format-weight", "2"], "--format-weight: Input should be less than or equal to 1"),
+        (["serve", "--engine", "foo"], "unknown engine 'foo', expected one of"),
+        (["serve", "--engine", "vllm-http"], "engine_url: required with engine 'vllm-http'"),
+        (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SISRL_GATEWAY_ENGINE_URL", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
+
+
+def test_env_fills_unset_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sisrl.services.cli import settings_from_args
+
+    monkeypatch.setenv("SISRL_GATEWAY_TOPK", "7")
+    parser = build_parser()
+    settings = settings_from_args(parser.parse_args(["serve", "--port", "9001"]), parser)
+    assert (settings.topk, settings.port, settings.engine) == (7, 9001, "local")

@@ -28,8 +28,9 @@ class KVBatch:
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed `past_key_values` to `cache`; accept both releases.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.device = next(model.parameters()).device  # inputs, mask and cache live with the model
         self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L]; 1 = real token, 0 = left padding
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, L]; 1 = real, 0 = left pad
         self.forward_passes = 0
 
     @property
@@ -60,6 +61,7 @@ class KVBatch:
             [[self.pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long
         )  # [n, P]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; pads get 0, real tokens 0..len-1
         cache = DynamicCache()
         logits = self._forward(ids, mask, positions, cache)
@@ -71,7 +73,7 @@ class KVBatch:
         """Feed one token per row (row order). Returns next-token logits [B, V]."""
         if len(tokens) != self.size or self.cache is None:
             raise ValueError(f"decode needs one token per row: got {len(tokens)} for {self.size} rows")
-        ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(-1)  # [B, 1]
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(-1)  # [B, 1]
         positions = self.mask.sum(-1, keepdim=True)  # [B, 1] next position = count of real tokens
         self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=-1)  # [B, L + 1]
         return self._forward(ids, self.mask, positions, self.cache)
@@ -80,11 +82,11 @@ class KVBatch:
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order) and drop pad columns no remaining row needs."""
         if not rows:
-            self.cache, self.mask = None, torch.zeros(0, 0, dtype=torch.long)
+            self.cache, self.mask = None, torch.zeros(0, 0, dtype=torch.long, device=self.device)
             return
         if rows == list(range(self.size)):
             return
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.mask = self.mask[index]
         start = int(self.mask.any(dim=0).long().argmax())  # first column some row still attends to
         self.mask = self.mask[:, start:]

@@ -81,12 +81,14 @@ class LocalEngine:
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
         num_threads: int | None = None,
+        eos_ids: frozenset[int] | None = None,
     ) -> None:
         """`model`: a name (`smollm2-135m-instruct`), an HF directory, or a built model (then pass `tokenizer`).
 
-        A built model is used as is (not copied); `load_weights` writes into it. `num_threads` sets torch's
-        intra-op threads for the whole process; use 1 on an oversubscribed CPU, where threads that wait for a
-        descheduled peer make each small matmul hundreds of times slower.
+        A built model is used as is (not copied; it may live on any device); `load_weights` writes into it.
+        `eos_ids` overrides the ids that end a generation (default: generation config + tokenizer).
+        `num_threads` sets torch's intra-op threads for the whole process; use 1 on an oversubscribed CPU, where
+        threads that wait for a descheduled peer make each small matmul hundreds of times slower.
         """
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -107,7 +109,7 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids if eos_ids is not None else _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self._batch = KVBatch(model, pad_id=int(pad))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sisrl-local-engine")
@@ -265,6 +267,9 @@ class LocalEngine:
 
     def _record(self, slots: list[_Slot], logits: torch.Tensor) -> None:
         """Sample one token per slot from q and record log q and the top-K. logits [n, V]."""
+        logits = (
+            logits.float().cpu()
+        )  # sampling runs on CPU: same draws for a seed whatever the model's device
         temperature = torch.tensor([s.params.temperature for s in slots], dtype=torch.float32)  # [n]
         top_p = torch.tensor([s.params.top_p for s in slots], dtype=torch.float32)  # [n]
         logq = processed_logprobs(logits, temperature, top_p)  # [n, V]

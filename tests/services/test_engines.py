@@ -146,6 +146,23 @@ def test_concurrent_requests_are_batched(
         assert_matches_reference(model, prompt, gen, params)
 
 
+def test_batch_size_cap_queues_the_rest(
+    tokenizer: PreTrainedTokenizerBase, model: LlamaForCausalLM, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_new_tokens=5, stop=(), seed=9, logprobs_k=1)
+
+    async def main() -> None:
+        engine = LocalEngine(model, tokenizer=tokenizer, max_batch_size=2)
+        gens = await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        assert [len(g.token_ids) for g in gens] == [5] * len(prompts)
+        assert engine.stats.max_batch_size == 2 and engine.stats.prefill_passes >= len(prompts) // 2
+        await engine.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate(prompts[0], params)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     "temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.6, 1.0), (0.8, 0.9), (0.0, 1.0)], ids=str
 )
@@ -215,6 +232,26 @@ def test_stop_strings_end_generation_with_the_text_kept(
     assert gen.finish_reason == "stop"
     assert gen.token_ids == free.token_ids[: end + 1]
     assert stop in tokenizer.decode(gen.token_ids) and stop not in tokenizer.decode(gen.token_ids[:-1])
+
+
+def test_eos_ends_generation_with_the_eos_token_kept(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    """The random policy never emits its real EOS, so the 4th greedy token is declared the EOS id."""
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, stop=())
+    free = run_engine(model, tokenizer, lambda e: e.generate(prompts[0], greedy))
+    eos = free.token_ids[3]
+    end = free.token_ids.index(eos)
+
+    async def main() -> Generation:
+        engine = LocalEngine(model, tokenizer=tokenizer, eos_ids=frozenset({eos}))
+        try:
+            return await engine.generate(prompts[0], greedy)
+        finally:
+            await engine.close()
+
+    gen = asyncio.run(main())
+    assert gen.finish_reason == "eos" and gen.token_ids == free.token_ids[: end + 1]
 
 
 def test_seed_reproducible_whatever_shares_the_batch(

@@ -19,7 +19,7 @@ from schemathesis.checks import not_a_server_error
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_server import ServerSettings, create_app
-from sisrl.services.engines.vllm_http import VLLMHttpEngine, parse_topk
+from sisrl.services.engines.vllm_http import VLLMHttpEngine, parse_completion, parse_topk
 from sisrl.services.engines.vllm_inproc import from_ranked_logprobs
 from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
 from transformers import LlamaForCausalLM
@@ -105,6 +105,27 @@ def test_parse_topk_keeps_exactly_k_by_rank() -> None:
         parse_topk({"token_id:9": -1.0}, 9, 2)
     with pytest.raises(ValueError, match="'tok9'"):
         parse_topk({"tok9": -1.0, "token_id:3": -0.5}, 9, 2)
+
+
+def test_parse_completion_maps_vllm_finish_reasons() -> None:
+    def response(finish: str, stop_reason: str | int | None) -> dict[str, Any]:
+        lp = {"tokens": ["token_id:4"], "token_logprobs": [-0.5], "top_logprobs": [{"token_id:4": -0.5}]}
+        return {
+            "choices": [
+                {"finish_reason": finish, "stop_reason": stop_reason, "token_ids": [4], "logprobs": lp}
+            ]
+        }
+
+    assert parse_completion(response("stop", None), 1, 0).finish_reason == "eos"  # vLLM's EOS: no stop_reason
+    assert parse_completion(response("stop", 4), 1, 0).finish_reason == "eos"  # a stop token id
+    assert parse_completion(response("stop", "</answer>"), 1, 0).finish_reason == "stop"
+    assert parse_completion(response("length", None), 1, 0).finish_reason == "length"
+    with pytest.raises(RuntimeError, match="abort"):
+        parse_completion(response("abort", None), 1, 0)
+    broken = response("length", None)
+    broken["choices"][0]["token_ids"] = [5]
+    with pytest.raises(ValueError, match="inconsistent"):
+        parse_completion(broken, 1, 0)
 
 
 def test_vllm_http_engine_equals_local_engine(

@@ -72,6 +72,16 @@ def token_in_topk(token_ids: Tensor, topk_ids: Tensor) -> Tensor:
     return (topk_ids == token_ids.unsqueeze(-1)).any(dim=-1)
 
 
+# Log-probs at or below this are q(v) = 0: exp(-1000) underflows even in float64. Engines record absent top-K
+# entries (top-p nucleus smaller than K) as vLLM's floor -9999 or as -inf; they are outside V_K.
+MIN_SUPPORT_LOGPROB = -1000.0
+
+
+def topk_in_support(topk_logq: Tensor) -> Tensor:
+    """[B, T, K] bool: top-K entries with 0 < q(v) <= 1; the others (-inf, floors, +inf) are padding, not V_K."""
+    return (topk_logq > MIN_SUPPORT_LOGPROB) & torch.isfinite(topk_logq)
+
+
 class SISResult(NamedTuple):
     """Output of `sis_log_ratio`; every tensor is [B, T] and zero/False at masked positions."""
 
@@ -100,16 +110,19 @@ def sis_log_ratio(
     """
     valid = mask.bool()
     log_w = (logp - logq).detach()  # l_t
-    log_m = (topk_logp - topk_logq).detach().amax(dim=-1)  # [B, T]
+    in_support = topk_in_support(topk_logq)  # [B, T, K]
+    log_m = torch.where(in_support, (topk_logp - topk_logq).detach(), -torch.inf).amax(dim=-1)  # [B, T]
+    has_vk = in_support.any(dim=-1)  # [B, T]
     # One uniform per position, masked or not, so the random stream depends only on the shape.
     u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float32)
     # u <= w/M  <=>  log u <= l - log M; computed in log space so huge ratios cannot overflow.
-    accepted = valid & in_topk.bool() & (torch.log(u) <= (log_w - log_m))
+    accepted = valid & in_topk.bool() & has_vk & (torch.log(u) <= (log_w - log_m))
     on_policy = logp - logp.detach()
     log_ratio = torch.where(accepted, on_policy, logp - logq)
     log_ratio = torch.where(valid, log_ratio, on_policy)  # masked: value 0, and the loss mask zeroes its grad
-    log_m = torch.where(valid, log_m, torch.zeros_like(log_m))
-    metrics = sis_metrics(log_w=log_w, accepted=accepted, topk_logp=topk_logp, log_ratio=log_ratio, mask=valid)
+    log_m = torch.where(valid & has_vk, log_m, torch.zeros_like(log_m))
+    topk_p = torch.where(in_support, topk_logp.detach().exp(), torch.zeros_like(topk_logp))
+    metrics = sis_metrics(log_w=log_w, accepted=accepted, topk_p=topk_p, log_ratio=log_ratio, mask=valid)
     return SISResult(log_ratio, accepted, log_m, metrics)
 
 
@@ -117,8 +130,8 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
-def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_logp: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Per-batch SIS diagnostics over unmasked tokens only (all inputs [B, T] except topk_logp [B, T, K]).
+def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Per-batch SIS diagnostics over unmasked tokens only (all inputs [B, T] except topk_p = pi on V_K [B, T, K]).
 
     sis/accept_rate   accepted tokens / policy tokens
     sis/D             mean over sequences of sum_t |l_t|            (log-importance deviation)
@@ -134,7 +147,7 @@ def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_logp: Tensor, log_ratio
         ratio = log_ratio.detach().exp()
         has = mask.any()
         inf = torch.full_like(ratio, float("inf"))
-        xi = 1.0 - topk_logp.detach().exp().sum(dim=-1)
+        xi = 1.0 - topk_p.sum(dim=-1)
         w = log_w.clamp(max=50.0).exp()  # clamp: an exp overflow must not turn the KL estimate into inf
         return {
             "sis/accept_rate": _masked_mean(accepted.float(), mask),

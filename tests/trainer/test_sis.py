@@ -259,3 +259,20 @@ def test_bad_arguments_name_themselves() -> None:
         gather_logprobs(logits, torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="k must be in"):
         behaviour_topk(logits, torch.zeros(1, 2, dtype=torch.long), k=6)
+
+
+@pytest.mark.parametrize("pad", [-9999.0, float("-inf"), float("inf")])
+def test_padded_topk_entries_are_outside_vk(pad: float) -> None:
+    """A top-p nucleus smaller than K: engines pad q's top-K with a floor; padding must not enter M_t or xi_K."""
+    logp_full = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    logq_full = torch.log(torch.tensor([0.6, 0.4, 0.0]))  # token 2 is outside q's nucleus
+    topk_ids = torch.tensor([[[0, 1, 2]]])
+    topk_logq = torch.tensor([[[logq_full[0], logq_full[1], pad]]])
+    y = torch.tensor([[1]])
+    res = sis_log_ratio(
+        logp=logp_full[y], logq=logq_full[y], topk_logp=logp_full[topk_ids], topk_logq=topk_logq,
+        in_topk=token_in_topk(y, topk_ids), mask=torch.ones(1, 1), generator=torch.Generator().manual_seed(0),
+    )
+    # M = max(0.5/0.6, 0.3/0.4) = 0.8333; xi = 1 - 0.5 - 0.3 = 0.2.
+    assert math.isclose(res.log_m.item(), math.log(0.5 / 0.6), rel_tol=1e-5)
+    assert math.isclose(res.metrics["sis/xi_k"].item(), 0.2, rel_tol=1e-5)

@@ -1,0 +1,87 @@
+"""The update step on a fixed batch: non-finite guard, dynamic sampling, recompute q, rollout shards."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from sisrl.trainer.batch import RolloutBatch, collate
+from sisrl.trainer.config import TrainConfig
+from sisrl.trainer.policy import build_optimizer, build_scheduler, load_policy
+from sisrl.trainer.sampling import SyntheticSource
+from sisrl.trainer.update import Updater, rank_shard, train_on_batch
+
+from tests.trainer.helpers import synthetic_config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, RolloutBatch]:
+    torch.set_num_threads(1)
+    cfg = synthetic_config(tmp_path_factory.mktemp("u"), rollout={"prompts_per_step": 2, "samples_per_prompt": 4})
+    model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    trajs = SyntheticSource(model, cfg.rollout, k=8, seed=0, vocab_size=len(tok)).rollouts([], 0, 0)
+    return cfg, collate(trajs, pad_id=int(tok.pad_token_id), k=8)
+
+
+def _updater(cfg: TrainConfig) -> Updater:
+    model, _ = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim)
+    return Updater(model=model, optimizer=opt, scheduler=build_scheduler(opt, cfg.optim, 10), algo=cfg.algorithm,
+                   optim=cfg.optim, temperature=1.0)
+
+
+def _params(u: Updater) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in u.model.parameters()]
+
+
+def test_non_finite_loss_skips_every_step_and_keeps_weights(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    cfg, b = setup
+    u = _updater(cfg)
+    before = _params(u)
+    bad = b.with_behaviour(torch.full_like(b.logq, float("-inf")), b.topk_ids, b.topk_logq)  # ratio = inf
+    bad = replace(bad, rewards=torch.arange(b.size, dtype=torch.float32))  # non-zero advantages
+    out = train_on_batch(u, bad, torch.Generator().manual_seed(0))
+    assert out["guard/skipped_updates"] == cfg.algorithm.staleness
+    for p0, p1 in zip(before, _params(u), strict=True):
+        assert torch.equal(p0, p1)
+    assert u.scheduler.last_epoch == cfg.algorithm.staleness  # the schedule still advances
+
+
+def test_dynamic_sampling_drops_groups_with_equal_rewards(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    cfg, b = setup
+    cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"dynamic_sampling": True,
+                                                                               "staleness": 2})})
+    flat = replace(b, rewards=torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]))  # group 0 all equal
+    out = train_on_batch(_updater(cfg), flat, torch.Generator().manual_seed(0))
+    assert out["rollout/kept_frac"] == 0.5
+    assert out["guard/skipped_updates"] == 0.0
+
+
+def test_recompute_q_accepts_every_top_k_token_on_the_first_update(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # N = 1 and q recomputed by the same weights: pi == q exactly, so w_t = M_t = 1 and every token in V_K is
+    # accepted. Responses sampled near-greedily (temperature 0.05) are argmax tokens, hence in V_K: accept rate 1.
+    torch.set_num_threads(1)
+    cfg = synthetic_config(tmp_path_factory.mktemp("r"), rollout={"prompts_per_step": 2, "samples_per_prompt": 4,
+                                                                  "temperature": 0.05},
+                           algorithm={"behaviour": "recompute", "staleness": 1})
+    model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    trajs = SyntheticSource(model, cfg.rollout, k=8, seed=0, vocab_size=len(tok)).rollouts([], 0, 0)
+    b = collate(trajs, pad_id=int(tok.pad_token_id), k=8)
+    u = replace(_updater(cfg), temperature=1.0)
+    out = train_on_batch(u, replace(b, rewards=torch.arange(b.size, dtype=torch.float32)),
+                         torch.Generator().manual_seed(0))
+    assert out["sis/accept_rate"] == 1.0
+    assert out["sis/D"] == 0.0 and out["sis/D_sis"] == 0.0
+
+
+def test_rank_shards_cover_the_mini_batch_once(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    _, b = setup
+    mb = b.select(torch.arange(7))
+    adv = torch.arange(7, dtype=torch.float32)
+    shards = [rank_shard(mb, adv, r, 2) for r in range(2)]
+    assert [s.size for s, _ in shards] == [4, 4]  # 4 + 3 rows and one zero-mask pad row
+    assert shards[1][0].mask[-1].sum() == 0
+    real = torch.cat([a[: (4 if r == 0 else 3)] for r, (_, a) in enumerate(shards)])
+    assert sorted(real.tolist()) == adv.tolist()
+    assert sum(float(s.mask.sum()) for s, _ in shards) == float(mb.mask.sum())

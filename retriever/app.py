@@ -36,8 +36,16 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = time.perf_counter()
+        if settings.torch_threads:
+            import torch
+
+            torch.set_num_threads(settings.torch_threads)
         # A wrong or corrupt index raises here, so the server never starts listening (fail fast).
-        searcher = open_searcher(settings.index, searcher_options(settings))
+        try:
+            searcher = open_searcher(settings.index, searcher_options(settings))
+        except (ValueError, FileNotFoundError) as exc:
+            logger.error("cannot start the retriever: %s", exc)
+            raise
         service = RetrievalService(searcher, service_options(settings), metrics_registry)
         await service.start()
         app.state.service = service

@@ -153,7 +153,7 @@ def _encode_stage(cfg: BuildConfig, encoder: Encoder, store: DocStore, stop: thr
     missing = [i for i, _ in enumerate(starts) if not shard_path(cfg.out, i).is_file()]
     done_rows = count - sum(min(cfg.shard_size, count - i * cfg.shard_size) for i in missing)
     tick: Progress = progress(count, done_rows) if progress else (lambda n: None)
-    step = max(1, encoder.cfg.batch_size * 4)  # check for a stop request every few encoder batches
+    step = encoder.cfg.batch_size  # check for a stop request after every encoder batch
     for shard in missing:
         start, stop_row = shard * cfg.shard_size, min(count, (shard + 1) * cfg.shard_size)
         texts = [p.contents for p in store.iter_range(start, stop_row)]

@@ -33,6 +33,8 @@ class Settings(BaseSettings):
                                "encoder batch; 0 turns coalescing off")
     max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
+    torch_threads: int = Field(0, ge=0, description="intra-op threads of the encoder; 0 = torch's default (one "
+                               "per core); 1 avoids OpenMP spin-waits on a machine shared with other jobs")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")
@@ -47,6 +49,12 @@ class Settings(BaseSettings):
         if value not in DTYPES:
             raise ValueError(f"unknown dtype {value!r}, expected one of {sorted(DTYPES)}")
         return value
+
+    @field_validator("api_token", mode="before")
+    @classmethod
+    def _empty_token_is_none(cls, value: object) -> object:
+        # docker compose passes an unset variable as "", which must mean "no token", not "the empty token".
+        return None if value == "" else value
 
     @field_validator("log_level")
     @classmethod

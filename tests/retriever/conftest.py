@@ -90,6 +90,21 @@ def minilm_index(tmp_path_factory: pytest.TempPathFactory, topics_corpus: Path) 
     return out
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for a module's in-process encoding, restored afterwards.
+
+    The tests share two cores with other jobs; there an OpenMP team of two spin-waits on a descheduled partner
+    (measured: 2.5 vs 17.7 single-query requests/s). Servers get the same through `--torch-threads 1`.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @dataclass
 class Server:
     url: str
@@ -105,7 +120,7 @@ def start_server(index: Path, log: Path, *extra: str, timeout: float = 180.0) ->
     """`sisrl-retriever serve` as a subprocess on a free loopback port; returns once /health answers."""
     port = free_port()
     command = [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--port", str(port),
-               "--log-level", "warning", *extra]
+               "--log-level", "warning", "--torch-threads", "1", *extra]
     started = time.perf_counter()
     handle = log.open("wb")
     process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
@@ -147,8 +162,8 @@ E5_OTHERS = 5000
 E5_SEED = 1234
 
 
-@pytest.fixture(scope="session")
-def e5_subset_corpus(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_e5_subset(shared_data: Path, path: Path) -> Path:
+    """Every gold passage of nq/dev plus E5_OTHERS others drawn with a fixed seed, in corpus order."""
     gold: set[str] = set()
     with (shared_data / "nq" / "dev.jsonl").open(encoding="utf-8") as handle:
         for line in handle:
@@ -157,18 +172,37 @@ def e5_subset_corpus(shared_data: Path, tmp_path_factory: pytest.TempPathFactory
     ids = [json.loads(line)["id"] for line in lines]
     others = [i for i, pid in enumerate(ids) if pid not in gold]
     keep = {i for i, pid in enumerate(ids) if pid in gold} | set(random.Random(E5_SEED).sample(others, E5_OTHERS))
-    path = tmp_path_factory.mktemp("e5_corpus") / "subset.jsonl"
     path.write_text("".join(lines[i] + "\n" for i in sorted(keep)), encoding="utf-8")
     return path
 
 
 @pytest.fixture(scope="session")
+def e5_subset_corpus(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_e5_subset(shared_data, tmp_path_factory.mktemp("e5_corpus") / "subset.jsonl")
+
+
+@pytest.fixture(scope="session")
 def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The subset indexed with the offline E5 (`EncoderConfig()` default model) in bf16, built once."""
+    """The subset indexed with the offline E5 (`EncoderConfig()`, the default model), built once per session.
+
+    `SISRL_TEST_E5_INDEX=DIR` reuses an index built earlier by `sisrl-retriever build` (on a busy machine the
+    build takes minutes); it is accepted only when its manifest names the default encoder and the checksum
+    of this very subset, so it is the index this fixture would build.
+    """
+    from sisrl.retriever.corpus import file_sha256
+    from sisrl.retriever.manifest import load_manifest
+
+    prebuilt = os.environ.get("SISRL_TEST_E5_INDEX")
+    if prebuilt:
+        manifest = load_manifest(Path(prebuilt))
+        expected = (EncoderConfig().model, file_sha256(e5_subset_corpus))
+        if (manifest.encoder.model, manifest.corpus_sha256) != expected:
+            raise ValueError(f"SISRL_TEST_E5_INDEX={prebuilt}: built with {manifest.encoder.model!r} over corpus "
+                             f"sha256 {manifest.corpus_sha256}, expected {expected}")
+        return Path(prebuilt)
     out = tmp_path_factory.mktemp("e5_index")
-    encoder = load_encoder(EncoderConfig(dtype="bfloat16", batch_size=32))
     started = time.perf_counter()
-    build_index(BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=2048), encoder)
+    build_index(BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=1024), load_encoder(EncoderConfig()))
     sys.stderr.write(f"\n[e5_index] built in {time.perf_counter() - started:.1f}s at {out}\n")
     return out
 

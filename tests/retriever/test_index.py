@@ -17,6 +17,8 @@ from sisrl.retriever.searcher import SearcherOptions, check_encoder, open_search
 
 from .conftest import TOPICS
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 QUERIES = ["when was the eiffel tower built", "largest coral reef", "who painted the mona lisa"]
 
 

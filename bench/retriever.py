@@ -1,0 +1,213 @@
+"""sisrl's retriever against Search-R1's serving algorithm (bench/baseline_retriever.py), same index and
+encoder, servers on loopback started one at a time so they never share the CPU.
+
+Workloads (issue 3):
+  (a) batch:   requests of 256 unique queries (fresh questions every request);
+  (b) rl:      requests of 64 questions x 5 copies (a GRPO group of 5 asks the same first query);
+  (c) clients: 8 concurrent clients sending one query per request for --seconds.
+Per workload: queries/s, p50 and p99 request latency, and each server's peak RSS (VmHWM). Ratios are
+sisrl / baseline for q/s and baseline / sisrl for latency. Then recall@k on nq/dev through each server; the
+baseline must match within 0.01 (same math).
+
+    .venv/bin/python bench/retriever.py --index DIR --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from sisrl.retriever.eval import evaluate, http_retrieve, load_questions
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+@dataclass
+class Result:
+    queries: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def qps(self) -> float:
+        return self.queries / self.seconds if self.seconds else 0.0
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class QueryPool:
+    """Distinct real questions, handed out once each (a fresh question is never a cache hit)."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        seen: dict[str, None] = {}
+        for path in paths:
+            for q in load_questions(path):
+                seen.setdefault(q.question, None)
+        self._questions = list(seen)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[str]:
+        with self._lock:
+            if self._next + n > len(self._questions):
+                raise RuntimeError(f"query pool of {len(self._questions)} exhausted; shorten --seconds")
+            out = self._questions[self._next:self._next + n]
+            self._next += n
+            return out
+
+
+def start(command: list[str], url: str, log: Path, threads: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if threads:  # the same OpenMP thread count for both servers
+        env["OMP_NUM_THREADS"] = str(threads)
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[:3]} exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.25)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_batches(url: str, make_batch: Callable[[], list[str]], requests: int) -> Result:
+    result = Result()
+    with httpx.Client(timeout=600) as client:
+        for _ in range(requests):
+            queries = make_batch()
+            started = time.perf_counter()
+            response = client.post(f"{url}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True})
+            response.raise_for_status()
+            elapsed = time.perf_counter() - started
+            result.latencies.append(elapsed)
+            result.seconds += elapsed
+            result.queries += len(queries)
+    return result
+
+
+def run_clients(url: str, pool: QueryPool, clients: int, seconds: float) -> Result:
+    result = Result()
+    lock = threading.Lock()
+    deadline = time.perf_counter() + seconds
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=600) as client:
+            while time.perf_counter() < deadline:
+                (query,) = pool.take(1)
+                started = time.perf_counter()
+                client.post(f"{url}/retrieve", json={"queries": [query], "topk": 3, "return_scores": True}
+                            ).raise_for_status()
+                with lock:
+                    result.latencies.append(time.perf_counter() - started)
+                    result.queries += 1
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def rl_batch(pool: QueryPool) -> list[str]:
+    return [q for q in pool.take(64) for _ in range(5)]
+
+
+def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args: argparse.Namespace,
+                 workdir: Path) -> dict[str, object]:
+    process = start(command, url, workdir / f"{name}.log", args.threads)
+    try:
+        run_batches(url, lambda: pool.take(8), 2)  # warm-up: first forward passes, page-in of the index
+        out: dict[str, object] = {
+            "a_batch": run_batches(url, lambda: pool.take(256), args.requests),
+            "b_rl": run_batches(url, lambda: rl_batch(pool), args.requests),
+            "c_clients": run_clients(url, pool, args.clients, args.seconds),
+        }
+        report = evaluate(load_questions(args.questions), http_retrieve(f"{url}/retrieve"))
+        out["recall"] = report.as_dict()
+        out["peak_rss_mib"] = peak_rss_mib(process.pid)
+        return out
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
+    yield f"{'workload':<22}{'server':<10}{'q/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'q/s x':>8}{'p99 x':>8}"
+    for key, label in (("a_batch", "(a) 256 unique/req"), ("b_rl", "(b) 64 x 5 copies"),
+                       ("c_clients", "(c) 8 clients x 1")):
+        mine, theirs = ours[key], base[key]
+        assert isinstance(mine, Result) and isinstance(theirs, Result)
+        for name, r in (("sisrl", mine), ("baseline", theirs)):
+            ratio_q = f"{mine.qps / theirs.qps:8.2f}" if name == "sisrl" else f"{'':8}"
+            ratio_p = f"{theirs.pct(0.99) / mine.pct(0.99):8.2f}" if name == "sisrl" else f"{'':8}"
+            yield (f"{label if name == 'sisrl' else '':<22}{name:<10}{r.qps:9.1f}{r.pct(0.5) * 1000:10.0f}"
+                   f"{r.pct(0.99) * 1000:10.0f}{ratio_q}{ratio_p}")
+    yield f"peak RSS MiB: sisrl {ours['peak_rss_mib']:.0f}, baseline {base['peak_rss_mib']:.0f}"
+    for k in (1, 3, 10):
+        key = f"eval/gold_recall@{k}"
+        yield (f"gold recall@{k}: sisrl {ours['recall'][key]:.4f}, "  # type: ignore[index]
+               f"baseline {base['recall'][key]:.4f}")  # type: ignore[index]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--index", type=Path, required=True, help="index directory (required)")
+    parser.add_argument("--questions", type=Path, default=DATA / "nq" / "dev.jsonl",
+                        help="questions for the recall check (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="duration of workload (c) (default: %(default)s)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in (c) (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
+    args = parser.parse_args()
+    pool_files = [DATA / "nq" / "train.jsonl", DATA / "nq" / "extra_efficientqa.jsonl",
+                  DATA / "hotpotqa" / "extra_nocontext.jsonl", DATA / "hotpotqa" / "train.jsonl"]
+    pool = QueryPool([p for p in pool_files if p.is_file()])
+    workdir = args.index.parent / f".{args.index.name}-bench"
+    workdir.mkdir(exist_ok=True)
+    ours_url, base_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
+    ours = bench_server("sisrl", [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(args.index),
+                                  "--port", str(args.port), "--log-level", "warning"], ours_url, pool, args, workdir)
+    base = bench_server("baseline", [sys.executable, str(ROOT / "bench" / "baseline_retriever.py"), "--index",
+                                     str(args.index), "--port", str(args.port + 1)], base_url, pool, args, workdir)
+    for line in table(ours, base):
+        print(line)
+    if args.json_out:
+        def plain(d: dict[str, object]) -> dict[str, object]:
+            return {k: ({"qps": v.qps, "p50": v.pct(0.5), "p99": v.pct(0.99), "n": v.queries}
+                        if isinstance(v, Result) else v) for k, v in d.items()}
+        args.json_out.write_text(json.dumps({"sisrl": plain(ours), "baseline": plain(base)}, indent=2))
+    gap = abs(ours["recall"]["eval/gold_recall@3"] - base["recall"]["eval/gold_recall@3"])  # type: ignore[index]
+    print(f"recall@3 gap {gap:.4f} ({'ok' if gap <= 0.01 else 'FAIL: > 0.01'})")
+    return 0 if gap <= 0.01 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

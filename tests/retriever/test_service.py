@@ -1,0 +1,140 @@
+"""The fast path (dedupe, LRU cache, coalescing, offload) gives exactly what the plain Searcher gives, and each
+switch does what it says, measured on the real MiniLM encoder and FAISS index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sisrl.retriever.metrics import Metrics
+from sisrl.retriever.searcher import Searcher, SearcherOptions, open_searcher
+from sisrl.retriever.service import RetrievalService, ServiceOptions
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+REQUESTS = [
+    (["eiffel tower", "coral reef", "eiffel tower"], 3),
+    (["jazz music", "coral reef"], 5),
+    (["who wrote hamlet"], 1),
+    (["eiffel tower"], 3),
+    (["chocolate", "chocolate", "chocolate", "rice"], 2),
+]
+ALL_OFF = ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=0, offload=False)
+ALL_ON = ServiceOptions(dedupe=True, cache_size=128, coalesce_ms=20, offload=True)
+
+
+@pytest.fixture(scope="module")
+def searcher(minilm_index: Path) -> Iterator[Searcher]:
+    searcher = open_searcher(minilm_index, SearcherOptions(encoder="minilm"))
+    yield searcher
+    searcher.close()
+
+
+def _run(searcher: Searcher, options: ServiceOptions, requests: list[tuple[list[str], int]],
+         metrics: Metrics | None = None) -> list[list[list[tuple[str, float]]]]:
+    async def main() -> list[list[list[tuple[str, float]]]]:
+        service = RetrievalService(searcher, options, metrics or Metrics())
+        await service.start()
+        try:
+            results = await asyncio.gather(*(service.retrieve(q, k) for q, k in requests))
+        finally:
+            await service.stop()
+        return [[[(p.id, s) for p, s in hits] for hits in result] for result in results]
+    return asyncio.run(main())
+
+
+def _expected(searcher: Searcher) -> list[list[list[tuple[str, float]]]]:
+    return [[[(p.id, s) for p, s in hits] for hits in searcher.search(q, k)] for q, k in REQUESTS]
+
+
+def _assert_same(got: list[list[list[tuple[str, float]]]], want: list[list[list[tuple[str, float]]]]) -> None:
+    assert [[[i for i, _ in row] for row in r] for r in got] == [[[i for i, _ in row] for row in r] for r in want]
+    flat_got = [s for r in got for row in r for _, s in row]
+    flat_want = [s for r in want for row in r for _, s in row]
+    np.testing.assert_allclose(flat_got, flat_want, atol=1e-5)  # batch make-up may move the last float bits
+
+
+@pytest.mark.parametrize("options", [ALL_OFF, ALL_ON, ServiceOptions(dedupe=True, cache_size=0, coalesce_ms=0),
+                                     ServiceOptions(dedupe=False, cache_size=16, coalesce_ms=5, offload=False)],
+                         ids=["all-off", "all-on", "dedupe-only", "cache+coalesce-inline"])
+def test_every_switch_setting_gives_the_plain_search_results(searcher: Searcher, options: ServiceOptions) -> None:
+    _assert_same(_run(searcher, options, REQUESTS), _expected(searcher))
+
+
+def _sample(metrics: Metrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(name)
+    return 0.0 if value is None else float(value)
+
+
+def test_coalescing_merges_concurrent_requests_into_one_encoder_batch(searcher: Searcher) -> None:
+    metrics = Metrics()
+    singles = [([f"question number {i} about volcanoes"], 3) for i in range(8)]
+    _run(searcher, ServiceOptions(coalesce_ms=50, cache_size=0), singles, metrics)
+    assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_count") == 1
+    assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_sum") == 8
+    assert _sample(metrics, "sisrl_retriever_coalesced_requests_sum") == 8
+
+
+def test_without_coalescing_each_request_is_its_own_batch(searcher: Searcher) -> None:
+    metrics = Metrics()
+    _run(searcher, ServiceOptions(coalesce_ms=0, cache_size=0), [([f"q {i}"], 3) for i in range(4)], metrics)
+    assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_count") == 4
+
+
+@pytest.mark.parametrize(("dedupe", "encoded"), [(True, 2), (False, 10)])
+def test_dedupe_encodes_each_distinct_query_once(searcher: Searcher, dedupe: bool, encoded: int) -> None:
+    metrics = Metrics()
+    rl_batch = [(["capital of france", "tallest mountain"] * 5, 3)]  # GRPO: each question n times
+    result = _run(searcher, ServiceOptions(dedupe=dedupe, cache_size=0, coalesce_ms=0), rl_batch, metrics)
+    assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_sum") == encoded
+    assert result[0][0] == result[0][2] == result[0][8]
+
+
+def test_cache_answers_repeats_without_the_encoder(searcher: Searcher) -> None:
+    metrics = Metrics()
+
+    async def main() -> None:
+        service = RetrievalService(searcher, ServiceOptions(cache_size=2, coalesce_ms=0), metrics)
+        await service.start()
+        first = await service.retrieve(["sushi", "kangaroo"], 3)
+        again = await service.retrieve(["kangaroo", "sushi"], 3)
+        assert again == first[::-1]
+        assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_count") == 1
+        await service.retrieve(["sushi"], 4)  # another topk is another entry, and evicts the oldest
+        await service.retrieve(["kangaroo"], 3)
+        await service.stop()
+
+    asyncio.run(main())
+    assert _sample(metrics, "sisrl_retriever_cache_hits_total") == 2
+    assert _sample(metrics, "sisrl_retriever_cache_misses_total") == 4
+    assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_count") == 3
+    assert _sample(metrics, "sisrl_retriever_cache_hit_rate") == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize(("offload", "responsive"), [(True, True), (False, False)])
+def test_offload_keeps_the_event_loop_free(searcher: Searcher, offload: bool, responsive: bool) -> None:
+    async def main() -> int:
+        service = RetrievalService(searcher, ServiceOptions(offload=offload, coalesce_ms=0, cache_size=0), Metrics())
+        await service.start()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.02)
+        before = ticks
+        await service.retrieve([f"long question {i} about the history of printing" for i in range(256)], 10)
+        during = ticks - before
+        task.cancel()
+        await service.stop()
+        return during
+
+    during = _run_ticks = asyncio.run(main())
+    assert (during >= 5) is responsive, f"{_run_ticks} ticks while encoding 256 queries"

@@ -11,7 +11,9 @@ Modes, same engine, retriever, workload and concurrency C:
   stored in SQLite as in production).
 - turn-sync: groups of C trajectories in lock step, turn by turn (generate all, then search all), the next
   group after the whole group finishes (verl / Search-R1 style).
-overhead = (wall - time with any engine or retriever call in flight) / wall.
+overhead = (wall - time with any engine or retriever call in flight) / wall; agent ms/traj = mean time a
+trajectory spends outside engine and retriever calls (parsing, tokenising observations; in turn-sync mode also
+waiting at the turn barrier).
 
 Run: `.venv/bin/python bench/gateway.py` (see --help). Tested on 2 shared CPU cores.
 """
@@ -128,6 +130,7 @@ class Result:
     busy: dict[str, float]
     trajectories: int
     searches: int
+    agent_ms: float  # mean per trajectory of total - engine - retriever time (turn-sync: barrier waits included)
 
 
 async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: str, rules: list[ScriptRule],
@@ -140,7 +143,7 @@ async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: s
                       protocol=SearchR1Protocol(tokenizer), sessions=sessions, metrics=GatewayMetrics(clock),
                       clock=clock, reward_specs=dict(DEFAULT_SPECS), max_response_tokens=4096)
     runner = BatchRunner(deps, max_concurrency=cfg.concurrency)
-    done: list[int] = []
+    done: list[tuple[int, dict[str, float]]] = []
     start = time.perf_counter()
     if mode == "async":
         with sessions() as session:
@@ -151,14 +154,15 @@ async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: s
             await runner.wait_change("bench", timeout=0.5)
         with sessions() as session:
             rows = store.batch_trajectories(session=session, batch_id="bench")
-        done = [row.num_searches for _, row in rows]
+        done = [(row.num_searches, row.timings) for _, row in rows]
     else:
         await run_turn_synchronous(runner, request, concurrency=cfg.concurrency,
-                                   on_done=lambda t: done.append(len(t.turns)))
+                                   on_done=lambda t: done.append((len(t.turns), t.timings)))
     wall = time.perf_counter() - start
     await retriever.aclose()
     store.dispose(sessions)
-    return Result(mode, wall, dict(clock.busy_s), len(done), sum(done))
+    own = [t["total_s"] - t.get("engine_s", 0.0) - t.get("retriever_s", 0.0) for _, t in done]
+    return Result(mode, wall, dict(clock.busy_s), len(done), sum(n for n, _ in done), 1000 * sum(own) / len(own))
 
 
 def build_engine(cfg: BenchConfig) -> Engine:
@@ -190,13 +194,13 @@ async def bench(cfg: BenchConfig) -> list[Result]:
 
 
 def table(results: list[Result]) -> str:
-    head = "| mode | trajectories | searches | wall s | traj/s | engine busy s | retriever busy s | overhead % |"
-    lines = [head, "|" + "---|" * 8]
+    head = "| mode | trajectories | searches | wall s | traj/s | engine busy s | retriever busy s | overhead % | agent ms/traj |"
+    lines = [head, "|" + "---|" * 9]
     for r in results:
         any_busy = r.busy.get("any", 0.0)
         lines.append(f"| {r.mode} | {r.trajectories} | {r.searches} | {r.wall_s:.2f} | {r.trajectories / r.wall_s:.2f} | "
                      f"{r.busy.get('engine', 0.0):.2f} | {r.busy.get('retriever', 0.0):.2f} | "
-                     f"{100 * (r.wall_s - any_busy) / r.wall_s:.1f} |")
+                     f"{100 * (r.wall_s - any_busy) / r.wall_s:.1f} | {r.agent_ms:.1f} |")
     sync, async_ = results
     lines.append(f"\nasync / turn-sync throughput: {sync.wall_s / async_.wall_s:.2f}x (target >= 1.5x); "
                  f"async overhead {100 * (async_.wall_s - async_.busy.get('any', 0.0)) / async_.wall_s:.1f} % "

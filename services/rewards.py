@@ -69,8 +69,12 @@ class RewardSpec:
             raise ValueError(f"RewardSpec.format_weight: expected a value in [0, 1], got {self.format_weight}")
 
 
-# Search-R1 trains NQ and HotpotQA with EM on the final answer; F1 is reported as a metric for both.
-DEFAULT_SPECS: dict[str, RewardSpec] = {"nq": RewardSpec(), "hotpotqa": RewardSpec()}
+# Search-R1 scores its QA sources with EM on the final answer (verl `qa_em`); F1 is reported as a metric.
+# nq and hotpotqa are this project's sources; the others are Search-R1's evaluation sets.
+DEFAULT_SPECS: dict[str, RewardSpec] = {
+    name: RewardSpec()
+    for name in ("nq", "hotpotqa", "triviaqa", "popqa", "2wikimultihopqa", "musique", "bamboogle")
+}
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     model = wrap_model(model, ctx, cfg.distributed.strategy)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.total_steps * cfg.algorithm.staleness)
-    generator = torch.Generator().manual_seed(cfg.seed * 7919 + ctx.rank)  # SIS accept draws and shuffles
+    # SIS accept draws and mini-batch shuffles; on the model's device because sis.py draws u there.
+    generator = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 7919 + ctx.rank)
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is None and ctx.is_main:
         (run_dir / "run_name.txt").unlink(missing_ok=True)  # a fresh run gets a fresh name at the gateway

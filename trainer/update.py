@@ -107,7 +107,7 @@ def rank_shard(mb: RolloutBatch, mb_adv: Tensor, rank: int, world: int) -> tuple
         rows = torch.cat([rows, torch.zeros(want - rows.numel(), dtype=torch.long)])
     shard, adv = mb.select(rows), mb_adv[rows]
     if rows.numel() > 0 and rank + world * (want - 1) >= mb.size:
-        keep = torch.ones(want, 1)
+        keep = torch.ones(want, 1, device=shard.mask.device)
         keep[-1] = 0.0
         shard = shard.with_mask(shard.mask * keep)
     return shard, adv
@@ -184,7 +184,7 @@ def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator) -> d
                                 autocast=u.autocast, micro=micro)
     all_metrics: list[Metrics] = [batch_metrics]
     skipped = 0
-    perm = torch.randperm(b.size, generator=generator)
+    perm = torch.randperm(b.size, generator=generator, device=generator.device).cpu()
     for mb_idx in perm.tensor_split(u.algo.staleness):  # N mini-batches, one optimizer step each
         mb, mb_adv = b.select(mb_idx), b_adv[mb_idx]
         global_tokens = float(mb.mask.sum())  # every rank holds the whole mini-batch: a global count, no collective

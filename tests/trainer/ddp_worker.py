@@ -1,6 +1,7 @@
 """One policy update on a fixed batch, single-process or as one torchrun rank (used by test_distributed.py).
 
-    torchrun --nproc-per-node 2 tests/trainer/ddp_worker.py BATCH.json OUT_DIR   (writes OUT_DIR/CASE.safetensors)
+    torchrun --nproc-per-node 2 tests/trainer/ddp_worker.py BATCH.json OUT_DIR
+writes OUT_DIR/{ddp,fsdp2}_CASE.safetensors (FSDP2 shards gathered to full tensors)
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from sisrl.trainer.distributed import init_distributed, shutdown, wrap_model
 from sisrl.trainer.policy import build_scheduler, load_policy
 from sisrl.trainer.update import Updater, train_on_batch
 
-CASES = {
+STRATEGIES = ("ddp", "fsdp2")
+CASES: dict[str, dict[str, dict[str, object]]] = {
     # plain IS on q perturbed away from pi: ratios != 1, token-mean over global tokens, 2 micro-batches per rank
     "is_token_mean": {"algorithm": {"ratio": "is", "behaviour": "rollout", "agg_mode": "token-mean"},
                       "optim": {"micro_batch_size": 2}},
@@ -52,14 +54,17 @@ def one_update(case: str, trajs: list[Trajectory], strategy: str) -> dict[str, t
     b = collate(trajs, pad_id=int(tok.pad_token_id), k=cfg.algorithm.topk)
     train_on_batch(u, b, torch.Generator().manual_seed(0))
     inner = getattr(model, "module", model)
-    return {k: v.detach().clone() for k, v in inner.named_parameters()}
+    # full_tensor() gathers FSDP2 shards (a collective, so every rank calls it)
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().contiguous()
+            for k, v in inner.named_parameters()}
 
 
 if __name__ == "__main__":
     batch_path, out_dir = sys.argv[1:3]
     batch = [Trajectory.from_json(o) for o in json.loads(Path(batch_path).read_text())]
-    for name in CASES:
-        params = one_update(name, batch, "ddp")
-        if int(os.environ.get("RANK", "0")) == 0:
-            save_file(params, str(Path(out_dir) / f"{name}.safetensors"))
+    for strategy in STRATEGIES:
+        for name in CASES:
+            params = one_update(name, batch, strategy)
+            if int(os.environ.get("RANK", "0")) == 0:
+                save_file(params, str(Path(out_dir) / f"{strategy}_{name}.safetensors"))
     shutdown(init_distributed(case_config(next(iter(CASES)), "ddp").distributed, "cpu"))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from sisrl.trainer.cli import main as cli_main
 from sisrl.trainer.config import config_from_dict
 from sisrl.trainer.demo_data import write_demo_data
 from sisrl.trainer.loop import train
@@ -21,7 +22,7 @@ from sisrl.trainer.procs import Service, launch_gateway, launch_retriever, wait_
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, Service]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, Service, Path]]:
     root = tmp_path_factory.mktemp("loop")
     data = write_demo_data(root / "data", seed=1, people=12, towns=4)
     run_dir = root / "run"
@@ -35,14 +36,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pa
                              checkpoint_root=run_dir, log=root / "gateway.log", extra=["--max-response-tokens", "96"])
     wait_healthy(retriever, gateway)  # started together: the gateway needs the retriever only per search
     try:
-        yield data["train"], run_dir, gateway
+        yield data["train"], run_dir, gateway, data["test"]
     finally:
         gateway.stop()
         retriever.stop()
 
 
-def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Service]) -> None:
-    train_file, run_dir, gateway = servers
+def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Service, Path]) -> None:
+    train_file, run_dir, gateway, _ = servers
     assert httpx.get(f"{gateway.url}/health").json()["policy_version"] == 0
     cfg = config_from_dict({
         "run_dir": str(run_dir), "total_steps": 1, "tensorboard": True, "progress": False, "device": "cpu",
@@ -81,3 +82,18 @@ def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Servi
     assert list((run_dir / "tensorboard").iterdir())
     state = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert state["policy_version"] == 1 and state["sampler"]["drawn"] == 2
+
+
+def test_eval_exports_a_checkpoint_and_reports_em_per_source(servers: tuple[Path, Path, Service, Path],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    _, run_dir, gateway, test_file = servers
+    ckpt = run_dir / "checkpoints" / "step_000001"
+    assert cli_main(["eval", "--checkpoint", str(ckpt), "--data", str(test_file), "--gateway-url", gateway.url,
+                     "--limit", "3", "--max-new-tokens", "8", "--max-turns", "1", "--topk", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "eval/em/" in out and "eval/count/" in out
+    assert (ckpt / "hf" / "model.safetensors").is_file()
+    exported = load_file(str(ckpt / "hf" / "model.safetensors"))
+    pushed = load_file(str(run_dir / "policy" / "v000001" / "model.safetensors"))
+    assert all(torch.equal(exported[k], pushed[k]) for k in pushed)  # the checkpoint is the pushed policy
+    assert httpx.get(f"{gateway.url}/v1/policy").json()["path"] == str((ckpt / "hf").resolve())

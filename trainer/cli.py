@@ -47,10 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from sisrl.trainer.loop import train
+    from sisrl.trainer.procs import sigterm_as_interrupt
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
-    history = train(cfg)
+    try:
+        with sigterm_as_interrupt():
+            history = train(cfg)
+    except KeyboardInterrupt:
+        print(f"interrupted; checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are complete. Run the same command "
+              "to resume.", file=sys.stderr)
+        return 130
     print(f"done: {len(history)} steps this run; metrics in {Path(cfg.run_dir) / 'metrics.jsonl'}")
     return 0
 

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from sisrl.trainer.config import load_config
 from sisrl.trainer.demo_data import write_demo_data
-from sisrl.trainer.procs import free_port, launch_gateway, launch_retriever, wait_healthy
+from sisrl.trainer.procs import (
+    free_port,
+    launch_gateway,
+    launch_retriever,
+    sigterm_as_interrupt,
+    wait_healthy,
+)
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo_cpu.yaml"
 
@@ -59,6 +65,15 @@ def prepare(workdir: Path, encoder: str, seed: int) -> tuple[str, dict[str, Path
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        with sigterm_as_interrupt():
+            return run_demo(args)
+    except KeyboardInterrupt:
+        say("interrupted: services stopped; the run's complete checkpoints are kept")
+        return 130
+
+
+def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     workdir: Path = args.workdir
     run_dir = workdir / "run"

@@ -12,7 +12,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -45,6 +45,7 @@ from sisrl.trainer.policy import (
 from sisrl.trainer.sampling import SyntheticSource
 from sisrl.trainer.update import Updater, train_on_batch
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,27 @@ def run_name(run_dir: Path, seed: int) -> str:
     return name
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None,
-          on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
-    """Train `cfg.total_steps` rollout batches (resuming from the newest checkpoint when `cfg.resume`).
+@dataclass
+class Session:
+    """Everything one training process holds. `step` / `version` advance as it trains; no formula here."""
 
-    `stop_after` ends the run after that many steps of this call (a clean "kill" for the resume test);
-    `on_step(step, metrics)` is called on rank 0 after each step. Returns rank 0's metrics per step.
-    """
+    ctx: DistContext
+    run_dir: Path
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator  # SIS accept draws and mini-batch shuffles (on the model's device: sis.py draws there)
+    updater: Updater
+    sampler: MixtureSampler | None  # rank 0 only
+    source: RolloutSource | None  # rank 0 only
+    writer: MetricsWriter | None  # rank 0 only
+    step: int = 0
+    version: int = 0
+
+
+def setup(cfg: TrainConfig) -> Session:
+    """Process group, seeded model, optimizer, schedule, data, rollout source; resume from the newest checkpoint."""
     ctx = init_distributed(cfg.distributed, cfg.device)
     seed_everything(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path(cfg.run_dir)
@@ -105,74 +120,87 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     model = wrap_model(model, ctx, cfg.distributed.strategy)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.total_steps * cfg.algorithm.staleness)
-    # SIS accept draws and mini-batch shuffles; on the model's device because sis.py draws u there.
     generator = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 7919 + ctx.rank)
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is None and ctx.is_main:
         (run_dir / "run_name.txt").unlink(missing_ok=True)  # a fresh run gets a fresh name at the gateway
-    sampler = build_sampler(cfg) if ctx.is_main else None
-    source = build_source(cfg, model, len(tokenizer)) if ctx.is_main else None
-    step, version = 0, 0
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator,
-                                rank=ctx.rank, world=ctx.world)
-        step, version = state.step, state.policy_version
-        if sampler is not None:
-            sampler.load_state(state.sampler)
-        log.info("resumed from %s (step %d, policy version %d)", ckpt, step, version)
     updater = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,
                       temperature=cfg.rollout.temperature, chunk_size=cfg.model.logprob_chunk_size,
                       autocast=cfg.model.autocast_bf16, ref_model=ref_model, rank=ctx.rank, world=ctx.world)
-    writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard, start_step=step) if ctx.is_main else None
-    if ctx.is_main:
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    s = Session(ctx=ctx, run_dir=run_dir, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                generator=generator, updater=updater, sampler=build_sampler(cfg) if ctx.is_main else None,
+                source=build_source(cfg, model, len(tokenizer)) if ctx.is_main else None, writer=None)
     if ckpt is not None:
-        _push_weights(cfg, ctx, source, model, tokenizer, version)  # the gateway serves the resumed policy
+        state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator,
+                                rank=ctx.rank, world=ctx.world)
+        s.step, s.version = state.step, state.policy_version
+        if s.sampler is not None:
+            s.sampler.load_state(state.sampler)
+        log.info("resumed from %s (step %d, policy version %d)", ckpt, s.step, s.version)
+        _push_weights(cfg, s)  # the gateway serves the resumed policy
+    if ctx.is_main:
+        s.writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard, start_step=s.step)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    return s
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[dict[str, float]]:
+    """Train `cfg.total_steps` rollout batches (resuming from the newest checkpoint when `cfg.resume`).
+
+    `stop_after` ends the run after that many steps of this call (a clean "kill" for the resume test).
+    Returns rank 0's metrics per step (empty on other ranks).
+    """
+    s = setup(cfg)
     history: list[dict[str, float]] = []
-    bar = tqdm(total=cfg.total_steps, initial=step, desc="train", unit="step",
-               disable=not (ctx.is_main and cfg.progress))
-    if ctx.is_main and cfg.progress:
+    show = s.ctx.is_main and cfg.progress
+    bar = tqdm(total=cfg.total_steps, initial=s.step, desc="train", unit="step", disable=not show)
+    if show:
         bar.write(table_header())
-    start = step
+    start = s.step
     try:
-        while step < cfg.total_steps and (stop_after is None or step - start < stop_after):
-            t0 = time.perf_counter()
-            trajs = _rollouts(ctx, source, sampler, cfg, step, version)
-            t1 = time.perf_counter()
-            b = collate(trajs, pad_id=int(tokenizer.pad_token_id), k=cfg.algorithm.topk).to(ctx.device)
-            metrics = mean_over_ranks(train_on_batch(updater, b, generator), ctx)
-            t2 = time.perf_counter()
-            step, version = step + 1, version + 1
-            _push_weights(cfg, ctx, source, model, tokenizer, version)
-            t3 = time.perf_counter()
-            if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
-                save_checkpoint(run_dir, step=step, policy_version=version, model=model, optimizer=optimizer,
-                                scheduler=scheduler, generator=generator,
-                                sampler=sampler.state() if sampler is not None else {},
-                                config=cfg.model_dump(mode="json"), rank=ctx.rank, world=ctx.world,
-                                keep=cfg.keep_checkpoints, barrier=(lambda: barrier(ctx)) if ctx.enabled else None)
-            t4 = time.perf_counter()
-            if ctx.is_main and cfg.eval_every and step % cfg.eval_every == 0 and isinstance(source, GatewaySource):
-                metrics.update(_evaluate(cfg, source, step, version))
-            if ctx.is_main:
-                metrics.update(rollout_metrics(trajs, t1 - t0))
-                metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/sync_s": t3 - t2,
-                                "time/checkpoint_s": t4 - t3, "time/step_s": t4 - t0, "policy/version": float(version),
-                                "perf/train_tokens_per_s": float(b.mask.sum()) * cfg.algorithm.staleness / max(t2 - t1, 1e-9)})
-                assert writer is not None
-                writer.log(step, metrics)
+        while s.step < cfg.total_steps and (stop_after is None or s.step - start < stop_after):
+            metrics = run_step(cfg, s)
+            if s.writer is not None:
+                s.writer.log(s.step, metrics)
                 history.append(metrics)
-                if cfg.progress:
-                    bar.write(table_row(step, metrics))
+                if show:
+                    bar.write(table_row(s.step, metrics))
                 bar.update(1)
-                if on_step is not None:
-                    on_step(step, metrics)
     finally:
         bar.close()
-        if writer is not None:
-            writer.close()
-        shutdown(ctx)
+        if s.writer is not None:
+            s.writer.close()
+        shutdown(s.ctx)
     return history
+
+
+def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
+    """Rollouts -> update -> push weights -> checkpoint -> (eval); returns the step's metrics (rank 0's)."""
+    t0 = time.perf_counter()
+    trajs = _rollouts(s.ctx, s.source, s.sampler, cfg, s.step, s.version)
+    t1 = time.perf_counter()
+    b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.topk).to(s.ctx.device)
+    metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator), s.ctx)
+    t2 = time.perf_counter()
+    s.step, s.version = s.step + 1, s.version + 1
+    _push_weights(cfg, s)
+    t3 = time.perf_counter()
+    if s.step % cfg.checkpoint_every == 0 or s.step == cfg.total_steps:
+        save_checkpoint(s.run_dir, step=s.step, policy_version=s.version, model=s.model, optimizer=s.optimizer,
+                        scheduler=s.scheduler, generator=s.generator,
+                        sampler=s.sampler.state() if s.sampler is not None else {},
+                        config=cfg.model_dump(mode="json"), rank=s.ctx.rank, world=s.ctx.world,
+                        keep=cfg.keep_checkpoints, barrier=(lambda: barrier(s.ctx)) if s.ctx.enabled else None)
+    t4 = time.perf_counter()
+    if cfg.eval_every and s.step % cfg.eval_every == 0 and isinstance(s.source, GatewaySource):
+        metrics.update(_evaluate(cfg, s.source, s.step, s.version))
+    metrics.update(rollout_metrics(trajs, t1 - t0))
+    metrics.update({
+        "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/sync_s": t3 - t2, "time/checkpoint_s": t4 - t3,
+        "time/step_s": t4 - t0, "policy/version": float(s.version),
+        "perf/train_tokens_per_s": float(b.mask.sum()) * cfg.algorithm.staleness / max(t2 - t1, 1e-9),
+    })
+    return metrics
 
 
 def _rollouts(ctx: DistContext, source: RolloutSource | None, sampler: MixtureSampler | None, cfg: TrainConfig,
@@ -198,18 +226,17 @@ def _evaluate(cfg: TrainConfig, source: GatewaySource, step: int, version: int) 
                     k=cfg.algorithm.topk, seed=cfg.seed)
 
 
-def _push_weights(cfg: TrainConfig, ctx: DistContext, source: RolloutSource | None, model: torch.nn.Module,
-                  tokenizer: object, version: int) -> None:
+def _push_weights(cfg: TrainConfig, s: Session) -> None:
     """Save the policy as an HF safetensors directory and announce it (`POST /v1/policy`); rank 0 writes."""
-    needs = source.needs_weights if source is not None else cfg.rollout.source == "gateway"
+    needs = s.source.needs_weights if s.source is not None else cfg.rollout.source == "gateway"
     if not needs:
         return
-    state = full_state_dict(model) if cfg.distributed.strategy == "fsdp2" and ctx.enabled else None  # collective
-    if ctx.is_main:
-        assert source is not None
-        root = Path(cfg.run_dir).resolve() / "policy"
-        path = save_hf_directory(model, tokenizer, root / f"v{version:06d}", state=state)  # type: ignore[arg-type]
-        source.push_policy(path, version)
+    state = full_state_dict(s.model) if cfg.distributed.strategy == "fsdp2" and s.ctx.enabled else None  # collective
+    if s.ctx.is_main:
+        assert s.source is not None
+        root = s.run_dir.resolve() / "policy"
+        path = save_hf_directory(s.model, s.tokenizer, root / f"v{s.version:06d}", state=state)
+        s.source.push_policy(path, s.version)
         for old in sorted(root.glob("v*"))[:-2]:  # keep the served version and the one before it
             shutil.rmtree(old, ignore_errors=True)
-    barrier(ctx)
+    barrier(s.ctx)

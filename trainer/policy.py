@@ -76,7 +76,7 @@ def autocast_context(enabled: bool, device: torch.device) -> contextlib.Abstract
 
 
 def response_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = False) -> Tensor:
-    """Logits that predict each response token: [B, T, V] (float32).
+    """Logits that predict each response token: [B, T, V].
 
     The response occupies the last T columns of `input_ids`; the logit at column c predicts token c + 1, so we
     keep the last T + 1 positions (`logits_to_keep`, the prompt's lm_head is never computed) and drop the last.
@@ -91,7 +91,9 @@ def response_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = F
             logits_to_keep=t + 1,
             use_cache=False,
         )
-    return out.logits[:, :-1, :].float()  # [B, T, V]
+    # [B, T, V] in the model's output dtype: sis.py converts chunk by chunk, so bf16 logits never get a full
+    # fp32 copy.
+    return out.logits[:, :-1, :]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

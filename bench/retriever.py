@@ -9,7 +9,7 @@ Per workload: queries/s, p50 and p99 request latency, and each server's peak RSS
 sisrl / baseline for q/s and baseline / sisrl for latency. Then recall@k on nq/dev through each server; the
 baseline must match within 0.01 (same math).
 
-    .venv/bin/python bench/retriever.py --index DIR --seconds 30
+    .venv/bin/python bench/retriever.py --index DIR --seconds 30 [--threads 1]
 """
 
 from __future__ import annotations
@@ -184,6 +184,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
+    parser.add_argument("--encode-workers", type=int, default=os.cpu_count() or 1,
+                        help="sisrl's --encode-workers (default: the CPU count, %(default)s)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
     args = parser.parse_args()
@@ -194,7 +196,8 @@ def main() -> int:
     workdir.mkdir(exist_ok=True)
     ours_url, base_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
     ours = bench_server("sisrl", [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(args.index),
-                                  "--port", str(args.port), "--log-level", "warning"], ours_url, pool, args, workdir)
+                                  "--port", str(args.port), "--log-level", "warning", "--encode-workers",
+                                  str(args.encode_workers)], ours_url, pool, args, workdir)
     base = bench_server("baseline", [sys.executable, str(ROOT / "bench" / "baseline_retriever.py"), "--index",
                                      str(args.index), "--port", str(args.port + 1)], base_url, pool, args, workdir)
     for line in table(ours, base):

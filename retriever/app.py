@@ -27,7 +27,7 @@ def searcher_options(settings: Settings) -> SearcherOptions:
 def service_options(settings: Settings) -> ServiceOptions:
     return ServiceOptions(dedupe=settings.dedupe, cache_size=settings.cache_size, coalesce_ms=settings.coalesce_ms,
                           max_batch_queries=settings.max_batch_queries, offload=settings.offload,
-                          max_query_chars=settings.max_query_chars)
+                          max_query_chars=settings.max_query_chars, encode_workers=settings.encode_workers)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -11,6 +11,7 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from sisrl.retriever.searcher import Hit, Searcher
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+MIN_CHUNK = 4  # queries; smaller pieces are not worth a thread hand-off
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ServiceOptions:
     max_batch_queries: int = 1024
     offload: bool = True
     max_query_chars: int = 4096
+    encode_workers: int = 1
 
 
 class LRUCache:
@@ -66,8 +69,9 @@ class RetrievalService:
     def __init__(self, searcher: Searcher, options: ServiceOptions, metrics: Metrics) -> None:
         self.searcher, self.options, self.metrics = searcher, options, metrics
         self.cache = LRUCache(options.cache_size) if options.cache_size > 0 else None
-        # One worker: the encoder is one model; two threads would only fight over the same cores.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-encode")
+        # `encode_workers` threads share the one (read-only) model; a batch is split across them. With one
+        # intra-op torch thread each, this uses several cores without OpenMP barriers (see Settings).
+        self._executor = ThreadPoolExecutor(max_workers=options.encode_workers, thread_name_prefix="retriever-encode")
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
 
@@ -109,10 +113,18 @@ class RetrievalService:
     async def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
         if self._queue is None:
             self.metrics.encoder_batch.observe(len(queries))
-            return await self._run(lambda: self.searcher.search(queries, k))
+            return await self._search_parallel(queries, k)
         future: asyncio.Future[list[list[Hit]]] = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(queries, k, future))
         return await future
+
+    async def _search_parallel(self, queries: list[str], k: int) -> list[list[Hit]]:
+        """Searcher.search over `encode_workers` contiguous chunks at once (in order); inline when not offloaded."""
+        workers = self.options.encode_workers if self.options.offload else 1
+        size = max(MIN_CHUNK, -(-len(queries) // workers))
+        chunks = [queries[start:start + size] for start in range(0, len(queries), size)]
+        parts = await asyncio.gather(*(self._run(functools.partial(self.searcher.search, chunk, k)) for chunk in chunks))
+        return [hits for part in parts for hits in part]
 
     async def _run(self, work: Callable[[], T]) -> T:
         if not self.options.offload:
@@ -154,7 +166,7 @@ class RetrievalService:
         k_max = max(pending.k for pending in batch)
         self.metrics.encoder_batch.observe(len(unique))
         self.metrics.coalesced_requests.observe(len(batch))
-        hits = await self._run(lambda: self.searcher.search(unique, k_max))
+        hits = await self._search_parallel(unique, k_max)
         if self.options.dedupe:
             by_query = dict(zip(unique, hits, strict=True))
             rows = [by_query[q] for q in flat]

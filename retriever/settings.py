@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
     torch_threads: int = Field(0, ge=0, description="intra-op threads of the encoder; 0 = torch's default (one "
                                "per core); 1 avoids OpenMP spin-waits on a machine shared with other jobs")
+    encode_workers: int = Field(1, ge=1, le=64, description="worker threads that encode and search; a batch "
+                                "is split across them (with --torch-threads 1, one per core suits a shared CPU)")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")

@@ -21,9 +21,10 @@ REQUESTS = [
     (["who wrote hamlet"], 1),
     (["eiffel tower"], 3),
     (["chocolate", "chocolate", "chocolate", "rice"], 2),
+    (["volcano", "violin", "sushi", "telescope", "marathon", "internet", "rainbow", "coffee", "tsunami"], 4),
 ]
 ALL_OFF = ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=0, offload=False)
-ALL_ON = ServiceOptions(dedupe=True, cache_size=128, coalesce_ms=20, offload=True)
+ALL_ON = ServiceOptions(dedupe=True, cache_size=128, coalesce_ms=20, offload=True, encode_workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +59,9 @@ def _assert_same(got: list[list[list[tuple[str, float]]]], want: list[list[list[
 
 
 @pytest.mark.parametrize("options", [ALL_OFF, ALL_ON, ServiceOptions(dedupe=True, cache_size=0, coalesce_ms=0),
-                                     ServiceOptions(dedupe=False, cache_size=16, coalesce_ms=5, offload=False)],
-                         ids=["all-off", "all-on", "dedupe-only", "cache+coalesce-inline"])
+                                     ServiceOptions(dedupe=False, cache_size=16, coalesce_ms=5, offload=False),
+                                     ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=0, encode_workers=3)],
+                         ids=["all-off", "all-on", "dedupe-only", "cache+coalesce-inline", "3-workers"])
 def test_every_switch_setting_gives_the_plain_search_results(searcher: Searcher, options: ServiceOptions) -> None:
     _assert_same(_run(searcher, options, REQUESTS), _expected(searcher))
 

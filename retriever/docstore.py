@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +83,6 @@ class DocStore:
         start, end = int(self._offsets[row]), int(self._offsets[row + 1])
         obj = json.loads(os.pread(self._fd, end - start, start))
         return Passage(id=obj["id"], contents=obj["contents"])
-
-    def get_many(self, rows: Sequence[int] | np.ndarray) -> list[Passage]:
-        return [self.get(int(row)) for row in rows]
 
     def iter_range(self, start: int, stop: int) -> Iterable[Passage]:
         """Rows start..stop-1 read in one sequential pass (for encoding shards)."""

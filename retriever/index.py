@@ -156,6 +156,9 @@ def _encode_stage(cfg: BuildConfig, encoder: Encoder, store: DocStore, stop: thr
     step = encoder.cfg.batch_size  # check for a stop request after every encoder batch
     for shard in missing:
         start, stop_row = shard * cfg.shard_size, min(count, (shard + 1) * cfg.shard_size)
+        if shard_path(cfg.out, shard).is_file():  # written meanwhile by another builder on the same directory
+            tick(stop_row - start)
+            continue
         texts = [p.contents for p in store.iter_range(start, stop_row)]
         parts: list[np.ndarray] = []
         for offset in range(0, len(texts), step):

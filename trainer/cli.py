@@ -51,6 +51,9 @@ def _train(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight load/save bars would break the per-step table
     try:
         with sigterm_as_interrupt():
             history = train(cfg)

@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight load/save bars would break the per-step table
     start = time.perf_counter()
     workdir: Path = args.workdir
     run_dir = workdir / "run"
@@ -87,7 +90,10 @@ def run_demo(args: argparse.Namespace) -> int:
     gateway_port = free_port()
     gateway = launch_gateway(model=policy, retriever_url=retriever.url, db=workdir / "rollouts.db",
                              checkpoint_root=run_dir, log=workdir / "logs" / "gateway.log", port=gateway_port,
-                             extra=["--max-response-tokens", "256", "--observation-max-tokens", "128"])
+                             # format reward (weight 0.2): an untrained 135M policy rarely answers right, and a
+                             # group whose rewards are all 0 gives GRPO no signal
+                             extra=["--max-response-tokens", "256", "--observation-max-tokens", "128",
+                                    "--format-weight", "0.2"])
     try:
         wait_healthy(retriever, gateway)
         say(f"      retriever {retriever.url}, gateway {gateway.url}")

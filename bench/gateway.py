@@ -13,7 +13,8 @@ Modes, same engine, retriever, workload and concurrency C:
   group after the whole group finishes (verl / Search-R1 style).
 overhead = (wall - time with any engine or retriever call in flight) / wall; agent ms/traj = mean time a
 trajectory spends outside engine and retriever calls (parsing, tokenising observations; in turn-sync mode also
-waiting at the turn barrier).
+waiting at the turn barrier). engine passes = batched model forward passes: where a pass costs about the same
+for 1 or C rows (a GPU), throughput follows the pass ratio; on a CPU the cost grows with the rows.
 
 Run: `.venv/bin/python bench/gateway.py` (see --help). Tested on 2 shared CPU cores.
 """
@@ -131,6 +132,7 @@ class Result:
     trajectories: int
     searches: int
     agent_ms: float  # mean per trajectory of total - engine - retriever time (turn-sync: barrier waits included)
+    passes: int  # model forward passes of the local engine (prefill + decode), -1 when unknown
 
 
 async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: str, rules: list[ScriptRule],
@@ -144,6 +146,7 @@ async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: s
                       clock=clock, reward_specs=dict(DEFAULT_SPECS), max_response_tokens=4096)
     runner = BatchRunner(deps, max_concurrency=cfg.concurrency)
     done: list[tuple[int, dict[str, float]]] = []
+    passes0 = _passes(engine)
     start = time.perf_counter()
     if mode == "async":
         with sessions() as session:
@@ -162,7 +165,14 @@ async def run_mode(mode: str, cfg: BenchConfig, engine: Engine, retriever_url: s
     await retriever.aclose()
     store.dispose(sessions)
     own = [t["total_s"] - t.get("engine_s", 0.0) - t.get("retriever_s", 0.0) for _, t in done]
-    return Result(mode, wall, dict(clock.busy_s), len(done), sum(n for n, _ in done), 1000 * sum(own) / len(own))
+    passes = _passes(engine) - passes0 if passes0 >= 0 else -1
+    return Result(mode, wall, dict(clock.busy_s), len(done), sum(n for n, _ in done), 1000 * sum(own) / len(own),
+                  passes)
+
+
+def _passes(engine: Engine) -> int:
+    stats = getattr(engine, "stats", None)
+    return int(stats.forward_passes) if stats is not None else -1
 
 
 def build_engine(cfg: BenchConfig) -> Engine:
@@ -194,15 +204,16 @@ async def bench(cfg: BenchConfig) -> list[Result]:
 
 
 def table(results: list[Result]) -> str:
-    head = "| mode | trajectories | searches | wall s | traj/s | engine busy s | retriever busy s | overhead % | agent ms/traj |"
-    lines = [head, "|" + "---|" * 9]
+    head = "| mode | trajectories | searches | wall s | traj/s | engine busy s | retriever busy s | overhead % | agent ms/traj | engine passes |"
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         any_busy = r.busy.get("any", 0.0)
         lines.append(f"| {r.mode} | {r.trajectories} | {r.searches} | {r.wall_s:.2f} | {r.trajectories / r.wall_s:.2f} | "
                      f"{r.busy.get('engine', 0.0):.2f} | {r.busy.get('retriever', 0.0):.2f} | "
-                     f"{100 * (r.wall_s - any_busy) / r.wall_s:.1f} | {r.agent_ms:.1f} |")
+                     f"{100 * (r.wall_s - any_busy) / r.wall_s:.1f} | {r.agent_ms:.1f} | {r.passes} |")
     sync, async_ = results
     lines.append(f"\nasync / turn-sync throughput: {sync.wall_s / async_.wall_s:.2f}x (target >= 1.5x); "
+                 f"engine passes turn-sync / async: {sync.passes / max(async_.passes, 1):.2f}x; "
                  f"async overhead {100 * (async_.wall_s - async_.busy.get('any', 0.0)) / async_.wall_s:.1f} % "
                  "(target <= 5 %)")
     return "\n".join(lines)

@@ -93,3 +93,18 @@ def test_policy_update(local_gateway: Any, tiny_policy_dir: Path, qa_subset: Any
     body = make_body([to_item(qa_subset.nq[0])], run="policy", max_turns=1)
     batch = local_gateway.wait_batch(client.post("/v1/rollouts", json=body).raise_for_status().json()["batch_id"])
     assert [t["policy_version"] for t in batch["trajectories"]] == [5]
+
+
+def test_request_limits(local_gateway: Any, make_body: Callable[..., dict[str, Any]]) -> None:
+    client = local_gateway.client
+    items = [{"id": f"q{i}", "question": "x" * 4000, "golden_answers": ["a"], "data_source": "nq"} for i in range(20)]
+    too_big = client.post("/v1/rollouts", json=make_body(items))
+    assert too_big.status_code == 413 and "65536 bytes" in too_big.json()["detail"]
+    long_question = [{"id": "q", "question": "x" * 5000, "golden_answers": ["a"], "data_source": "nq"}]
+    assert client.post("/v1/rollouts", json=make_body(long_question)).status_code == 422
+    assert client.post("/v1/rollouts", json=make_body([])).status_code == 422
+    unknown = [{"id": "q", "question": "x", "golden_answers": ["a"], "data_source": "trivia"}]
+    response = client.post("/v1/rollouts", json=make_body(unknown))
+    assert response.status_code == 422 and "unknown data_source 'trivia'" in response.text
+    duplicate = [{"id": "q", "question": "x", "golden_answers": ["a"], "data_source": "nq"}] * 2
+    assert "repeats" in client.post("/v1/rollouts", json=make_body(duplicate)).text

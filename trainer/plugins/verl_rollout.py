@@ -65,7 +65,7 @@ class SISvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
 
         engine.generate = generate
 
-    async def generate(
+    async def generate(  # type: ignore[override]  # same call shape as verl 0.9.1's; typed loosely
         self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, **kwargs: Any
     ) -> Any:
         output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
@@ -127,13 +127,11 @@ class SISRayPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
 
 def setup_worker() -> None:
     """Ray `worker_process_setup_hook`: registers the SIS losses and points verl's v0 TaskRunner, which builds
-    its
-    trainer by the module-level name `RayPPOTrainer`, at `SISRayPPOTrainer`. Runs once in every Ray
-    process."""
+    its trainer by the module-level name `RayPPOTrainer`, at `SISRayPPOTrainer`. Runs once in every Ray process."""
     import sisrl.trainer.plugins.verl  # noqa: F401  (registers `sis` and `sis_gspo` with verl)
     import verl.trainer.main_ppo_v0 as task_runner_module
 
-    task_runner_module.RayPPOTrainer = SISRayPPOTrainer
+    task_runner_module.RayPPOTrainer = SISRayPPOTrainer  # type: ignore[misc]  # deliberate module patch
     register_sis_vllm_rollout()  # whichever process builds the rollout replicas
 
 

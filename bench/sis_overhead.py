@@ -1,10 +1,11 @@
 """What SIS adds to a training step: time and peak memory, plain IS ratio vs SIS ratio, same run.
 
-    .venv/bin/python bench/sis_overhead.py                      # SmolLM2-135M, 2 x 512 tokens, K = 20
+    .venv/bin/python bench/sis_overhead.py                      # SmolLM2-135M, 1 x 512 tokens, K = 20
     .venv/bin/python bench/sis_overhead.py --model tiny --batch 8
 
-Each (variant, repetition) runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; variants are
-interleaved so machine noise hits both alike. A step is forward + log-prob gather + ratio + GRPO loss + backward
+Time: both variants in one process, steps interleaved in alternating order so machine noise hits both alike
+(median per variant). Memory: the bytes autograd saves for backward (deterministic), and the peak RSS
+(ru_maxrss) of a fresh process per (variant, repetition). A step is forward + log-prob gather + ratio + GRPO loss + backward
 of a real transformers causal LM. Reported: median step time and peak RSS, and SIS / plain ratios. The physical
 floor of the SIS extra is the top-K gather: B * T * (K + 1) floats against the B * T * V logits tensor.
 """
@@ -58,7 +59,7 @@ def _step_fn(model: torch.nn.Module, input_ids: torch.Tensor, variant: str, k: i
     return step
 
 
-def _child(args: argparse.Namespace) -> None:
+def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
     from sisrl.services.policy_models import build_tiny_policy, load_tokenizer, resolve_policy_path
 
     torch.manual_seed(0)
@@ -69,48 +70,85 @@ def _child(args: argparse.Namespace) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(resolve_policy_path(args.model), dtype=torch.float32)
     model.train()
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens))
-    step = _step_fn(model, ids, args.variant, args.k)
-    step()  # warm-up: allocator and kernels
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+    return model, torch.randint(0, model.config.vocab_size, (args.batch, args.tokens))
+
+
+def _saved_bytes(step) -> int:  # noqa: ANN001
+    """Bytes autograd keeps for backward during one step (deterministic, unlike RSS)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-        times.append(time.perf_counter() - t0)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"time": statistics.median(times), "peak_mib": peak_mib, "vocab": model.config.vocab_size}))
+    return total
+
+
+def _child_time(args: argparse.Namespace) -> None:
+    """Both variants in one process, steps interleaved (alternating order) so machine noise hits both alike."""
+    model, ids = _load(args)
+    steps = {v: _step_fn(model, ids, v, args.k) for v in ("plain", "sis")}
+    saved = {v: _saved_bytes(steps[v]) for v in steps}  # also the warm-up
+    times: dict[str, list[float]] = {"plain": [], "sis": []}
+    for i in range(args.steps):
+        for v in ("plain", "sis") if i % 2 == 0 else ("sis", "plain"):
+            t0 = time.perf_counter()
+            steps[v]()
+            times[v].append(time.perf_counter() - t0)
+    out = {v: {"time": statistics.median(times[v]), "saved_mib": saved[v] / 2**20} for v in steps}
+    print(json.dumps({**out, "vocab": model.config.vocab_size}))
+
+
+def _child_rss(args: argparse.Namespace) -> None:
+    model, ids = _load(args)
+    step = _step_fn(model, ids, args.variant, args.k)
+    step()
+    step()
+    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="'tiny' or a policy path/name (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per step (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=512, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--k", type=int, default=20, help="SIS top-K (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=3, help="subprocesses per variant (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per subprocess (default: %(default)s)")
-    p.add_argument("--variant", choices=["plain", "sis"], help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant, interleaved (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="processes per variant for peak RSS (default: %(default)s)")
+    p.add_argument("--variant", choices=["plain", "sis", "time"], help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.variant:
-        _child(args)
+    if args.variant == "time":
+        _child_time(args)
         return
-    results: dict[str, list[dict[str, float]]] = {"plain": [], "sis": []}
+    if args.variant:
+        _child_rss(args)
+        return
     base = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch), "--tokens",
             str(args.tokens), "--k", str(args.k), "--steps", str(args.steps)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def child(variant: str) -> dict:  # type: ignore[type-arg]
+        out = subprocess.run([*base, "--variant", variant], check=True, capture_output=True, text=True, env=env)
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    timing = child("time")
+    rss: dict[str, list[float]] = {"plain": [], "sis": []}
     for rep in range(args.reps):
-        for variant in ("plain", "sis") if rep % 2 == 0 else ("sis", "plain"):
-            out = subprocess.run([*base, "--variant", variant], check=True, capture_output=True, text=True,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    med = {v: (statistics.median(r["time"] for r in rs), statistics.median(r["peak_mib"] for r in rs))
-           for v, rs in results.items()}
-    vocab = int(results["sis"][0]["vocab"])
+        for v in ("plain", "sis") if rep % 2 == 0 else ("sis", "plain"):
+            rss[v].append(child(v)["peak_mib"])
+    peak = {v: statistics.median(rss[v]) for v in rss}
+    vocab = int(timing["vocab"])
     print(f"model={args.model} batch={args.batch} tokens={args.tokens} K={args.k} vocab={vocab} "
-          f"reps={args.reps} steps/rep={args.steps} threads={torch.get_num_threads()}")
-    print("| variant | step time (s) | peak RSS (MiB) |\n|---|---|---|")
+          f"timed steps/variant={args.steps} rss reps={args.reps} threads={torch.get_num_threads()}")
+    print("| variant | step time (s, median) | saved for backward (MiB) | peak RSS (MiB, median) |")
+    print("|---|---|---|---|")
     for v in ("plain", "sis"):
-        print(f"| {v} | {med[v][0]:.3f} | {med[v][1]:.0f} |")
-    print(f"| sis / plain | {med['sis'][0] / med['plain'][0]:.4f} | {med['sis'][1] / med['plain'][1]:.4f} |")
+        print(f"| {v} | {timing[v]['time']:.3f} | {timing[v]['saved_mib']:.1f} | {peak[v]:.0f} |")
+    print(f"| sis / plain | {timing['sis']['time'] / timing['plain']['time']:.4f} | "
+          f"{timing['sis']['saved_mib'] / timing['plain']['saved_mib']:.4f} | {peak['sis'] / peak['plain']:.4f} |")
     floor = args.batch * args.tokens * (args.k + 1) * 4 / 2**20
     logits = args.batch * args.tokens * vocab * 4 / 2**20
     print(f"top-K gather floor: {floor:.2f} MiB vs {logits:.0f} MiB of fp32 logits ({floor / logits:.3%})")

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 GATEWAY_TOKEN = "test-token-123456"
 NQ_QUESTIONS = 6  # nq/dev questions whose gold passages go into the small index
@@ -246,3 +247,12 @@ def local_gateway(start_gateway: GatewayFactory, tiny_policy_dir: Path, retrieve
 @pytest.fixture(scope="session")
 def free_port_fn() -> Callable[[], int]:
     return free_port
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The CI box has 2 cores shared by several jobs; spinning intra-op threads there cost ~100x per matmul."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,6 +17,8 @@ from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.sampling import sample_tokens
 from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 T = TypeVar("T")
 QUESTIONS = [
@@ -37,15 +39,6 @@ def tokenizer() -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="module")
 def model(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
     return build_tiny_policy(tokenizer, seed=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The CI box has 2 cores shared by several jobs; spinning intra-op threads there cost ~100x per matmul."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

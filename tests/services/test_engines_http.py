@@ -5,7 +5,6 @@ schemathesis run with zero 5xx."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-import torch
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
@@ -24,21 +22,14 @@ from sisrl.services.engines.vllm_inproc import from_ranked_logprobs
 from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
 from transformers import LlamaForCausalLM
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 QUESTIONS = [
     "Who wrote Dracula?",
     "Capital of Australia, briefly:",
     "<search>tallest mountain</search> then",
     "Hi",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The CI box has 2 cores shared by several jobs; spinning intra-op threads there cost ~100x per matmul."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

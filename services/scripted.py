@@ -6,25 +6,92 @@ its top-K row is the emitted token at 0.0 followed by K-1 other ids at MIN_LOGPR
 With `base`, every turn first runs the real engine on the real context for as many tokens as the scripted turn
 has (stop strings off), so engine time and batching are those of the real engine while the turn counts follow
 the script. Script file (JSON): `{"rules": [{"match": "capital", "turns": ["<search>x</search>", "..."]}]}`.
+
+Teacher mode (demonstrations for a warm start): a rule may name `extract`ed values, each the first regex group
+of a `pattern` applied to the question (`"from": "question"`) or to the latest `<information>` block the
+gateway inserted (`"from": "info"`). Turns use them as `{name}`; a pattern may use an earlier value as `{name}`
+(inserted regex-escaped). When a pattern finds nothing (the retriever did not return the evidence), the turn is
+the rule's `fallback` instead, so a demonstration only answers from what was actually retrieved.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sisrl.services.agent import CORRECTIVE, INFO_CLOSE
+from sisrl.services.agent import CORRECTIVE, INFO_CLOSE, INFO_OPEN
 from sisrl.services.engines.base import MIN_LOGPROB, Engine, Generation, SamplingParams
 from transformers import PreTrainedTokenizerBase
 
 _QUESTION_MARK = "\nQuestion: "
+_SOURCES = ("question", "info")
+_NAME = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class Extract:
+    """A value the teacher reads: group 1 of `pattern` in the question or the latest information block."""
+
+    source: str
+    pattern: str
 
 
 @dataclass(frozen=True)
 class ScriptRule:
     match: str
     turns: tuple[str, ...]
+    extract: dict[str, Extract] = field(default_factory=dict)
+    fallback: str = "<answer> unknown </answer>"
+
+    def render(self, turn: str, question: str, info: str) -> str:
+        """`turn` with its `{name}` values filled in, or `fallback` when one cannot be read."""
+        values: dict[str, str] = {}
+        for name in _NAME.findall(turn):
+            if self._resolve(name, question, info, values) is None:
+                return self.fallback
+        return _NAME.sub(lambda m: values.get(m.group(1), m.group(0)), turn)
+
+    def _resolve(self, name: str, question: str, info: str, values: dict[str, str]) -> str | None:
+        if name in values:
+            return values[name]
+        spec = self.extract.get(name)
+        if spec is None:
+            raise ValueError(f"script rule {self.match!r}: turn uses {{{name}}}, which no extract defines")
+        pattern = spec.pattern
+        for ref in _NAME.findall(pattern):
+            if ref in self.extract:
+                value = self._resolve(ref, question, info, values)
+                if value is None:
+                    return None
+                pattern = pattern.replace("{" + ref + "}", re.escape(value))
+        found = re.search(pattern, question if spec.source == "question" else info)
+        if found is None or not found.group(1).strip():
+            return None
+        values[name] = found.group(1).strip()
+        return values[name]
+
+
+def _parse_extract(raw: object, where: str) -> dict[str, Extract]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}.extract must map names to {{'from': 'question'|'info', 'pattern': str}}")
+    out = {}
+    for name, spec in raw.items():
+        source = spec.get("from") if isinstance(spec, dict) else None
+        pattern = spec.get("pattern") if isinstance(spec, dict) else None
+        if source not in _SOURCES or not isinstance(pattern, str):
+            raise ValueError(f"{where}.extract.{name}: expected {{'from': one of {_SOURCES}, 'pattern': str}}, "
+                             f"got {spec!r}")
+        try:
+            if re.compile(pattern).groups < 1:
+                raise ValueError(f"{where}.extract.{name}: pattern {pattern!r} needs one capture group")
+        except re.error as err:
+            raise ValueError(f"{where}.extract.{name}: bad pattern {pattern!r} ({err})") from None
+        out[str(name)] = Extract(source=source, pattern=pattern)
+    return out
 
 
 def load_script(path: Path) -> list[ScriptRule]:
@@ -38,7 +105,12 @@ def load_script(path: Path) -> list[ScriptRule]:
         turns = rule.get("turns") if isinstance(rule, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise ValueError(f"{path}: rules[{i}].turns must be a non-empty list of non-empty strings")
-        out.append(ScriptRule(match=str(rule.get("match", "")), turns=tuple(turns)))
+        extract = _parse_extract(rule.get("extract"), f"{path}: rules[{i}]")
+        fallback = rule.get("fallback", ScriptRule.fallback)
+        if not isinstance(fallback, str) or not fallback:
+            raise ValueError(f"{path}: rules[{i}].fallback must be a non-empty string, got {fallback!r}")
+        out.append(ScriptRule(match=str(rule.get("match", "")), turns=tuple(turns), extract=extract,
+                              fallback=fallback))
     return out
 
 
@@ -58,9 +130,10 @@ class ScriptedEngine:
         head, _, tail = context.rpartition(_QUESTION_MARK)
         question = tail.split("\n", 1)[0]
         turn = tail.count(INFO_CLOSE.strip()) + tail.count(CORRECTIVE.strip())
+        info = tail.rpartition(INFO_OPEN.strip())[2].partition(INFO_CLOSE.strip())[0] if INFO_OPEN.strip() in tail else ""
         for rule in self.rules:
             if rule.match in question:
-                return rule.turns[min(turn, len(rule.turns) - 1)]
+                return rule.render(rule.turns[min(turn, len(rule.turns) - 1)], question, info)
         raise ValueError(f"no script rule matches question {question!r}; add a rule with match ''")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

@@ -1,6 +1,7 @@
 """`sisrl-train`: train, evaluate, plot, and list the config knobs.
 
   sisrl-train train --config FILE [--set KEY=VALUE ...]      (torchrun ... -m sisrl.trainer.cli train ... too)
+  sisrl-train sft --config FILE [--set KEY=VALUE ...]        warm start on trajectories stored at the gateway
   sisrl-train eval --checkpoint DIR --data FILE [--data FILE ...] [--gateway-url URL]
   sisrl-train plot RUN_DIR
   sisrl-train config [--config FILE]                         every knob: key, default (or value), description
@@ -25,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one knob, e.g. --set algorithm.staleness=8 (repeatable; YAML values)")
     t.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="logging level")
+    s = sub.add_parser("sft", help="supervised warm start on stored trajectories (writes RUN_DIR/hf)",
+                       formatter_class=fmt)
+    s.add_argument("--config", type=Path, default=None, help="YAML config with an `sft` section; none = defaults")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one knob, e.g. --set sft.runs=[teacher] (repeatable; YAML values)")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="logging level")
     e = sub.add_parser("eval", help="EM per data source of a checkpoint, through the gateway", formatter_class=fmt)
     e.add_argument("--checkpoint", type=Path, required=True,
                    help="a trainer checkpoint (RUN_DIR/checkpoints/step_N) or an HF directory, under the gateway's checkpoint root")
@@ -62,6 +69,25 @@ def _train(args: argparse.Namespace) -> int:
               "to resume.", file=sys.stderr)
         return 130
     print(f"done: {len(history)} steps this run; metrics in {Path(cfg.run_dir) / 'metrics.jsonl'}")
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from sisrl.trainer.procs import sigterm_as_interrupt
+    from sisrl.trainer.sft import train_sft
+    from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    hf_logging.disable_progress_bar()
+    try:
+        with sigterm_as_interrupt():
+            result = train_sft(cfg)
+    except KeyboardInterrupt:
+        print("interrupted: no policy was written (the warm start is short; run the same command again)",
+              file=sys.stderr)
+        return 130
+    print(f"done: {result.steps} steps on {result.demonstrations} demonstrations; policy in {result.path}")
     return 0
 
 
@@ -117,7 +143,7 @@ def _lookup(tree: dict[str, object], dotted: str) -> object:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "eval": _eval, "plot": _plot, "config": _config}
+    handlers = {"train": _train, "sft": _sft, "eval": _eval, "plot": _plot, "config": _config}
     try:
         return handlers[args.command](args)
     except ConfigError as err:

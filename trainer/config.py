@@ -92,6 +92,16 @@ class OptimConfig(_Section):
     micro_batch_size: int | None = Field(default=None, ge=1, description="sequences per forward/backward (gradient accumulation); None = the whole mini-batch")
 
 
+class SFTConfig(_Section):
+    runs: list[str] = Field(default_factory=list, description="gateway runs whose stored trajectories are the demonstrations (GET /v1/rollouts?run=...)")
+    data_source: str | None = Field(default=None, description="only trajectories of this data source (None = all)")
+    reward_min: float | None = Field(default=1.0, description="only trajectories with reward >= this (None = all; 1.0 keeps exact matches)")
+    max_trajectories: int | None = Field(default=None, ge=1, description="use at most this many demonstrations (None = all that match)")
+    epochs: int = Field(default=1, ge=1, description="passes over the demonstrations")
+    batch_size: int = Field(default=8, ge=1, description="demonstrations per optimizer step (split by optim.micro_batch_size)")
+    max_steps: int | None = Field(default=None, ge=1, description="stop after this many optimizer steps (None = epochs x batches)")
+
+
 class DistributedConfig(_Section):
     strategy: Literal["none", "ddp", "fsdp2"] = Field(default="none", description="how to wrap the model under torchrun")
     backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="torch.distributed backend (auto: nccl on CUDA, else gloo)")
@@ -114,6 +124,7 @@ class TrainConfig(_Section):
     algorithm: AlgorithmConfig = Field(default=AlgorithmConfig(), description="loss, ratio strategy and their knobs")
     optim: OptimConfig = Field(default=OptimConfig(), description="optimizer and schedule")
     distributed: DistributedConfig = Field(default=DistributedConfig(), description="torchrun options")
+    sft: SFTConfig = Field(default=SFTConfig(), description="supervised warm start on stored trajectories (`sisrl-train sft`)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
@@ -127,8 +138,9 @@ class TrainConfig(_Section):
             raise ValueError("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2")
         if self.algorithm.icepop_low >= self.algorithm.icepop_high:
             raise ValueError("algorithm.icepop_low must be below algorithm.icepop_high")
-        if self.rollout.source == "gateway" and not self.data.train:
-            raise ValueError("data.train must list at least one file when rollout.source is 'gateway'")
+        if self.rollout.source == "gateway" and not self.data.train and not self.sft.runs:
+            raise ValueError("data.train must list at least one file when rollout.source is 'gateway' "
+                             "(or sft.runs, for a config that only warm-starts)")
         return self
 
 

@@ -82,31 +82,67 @@ def corpus_rows(towns: list[Town], people: list[Person]) -> list[dict[str, str]]
     return [{"id": str(i), "contents": c} for i, c in enumerate(rows)]
 
 
-def questions(people: list[Person]) -> list[QAItem]:
+# Two phrasings per kind of question (picked per person by the seed), so a policy cannot key on one template.
+_PHRASINGS = (
+    ("In which town was {} born?", "Where was {} born?"),
+    ("What was the occupation of {}?", "What did {} do for a living?"),
+    ("In which year was the home town of {} founded?", "When was the town that {} came from founded?"),
+)
+
+
+def questions(people: list[Person], seed: int = 0) -> list[QAItem]:
+    """Per person i: kind i % 3 (birth town and occupation: one hop, "nq"; founding year of the home town:
+    two hops, "hotpotqa"), in one of two phrasings."""
+    rng = random.Random(f"{seed}:phrasing")
     items = []
     for i, p in enumerate(people):
         kind = i % 3
-        if kind == 0:
-            q, a, src = f"In which town was {p.name} born?", p.town.name, "nq"
-        elif kind == 1:
-            q, a, src = f"What was the occupation of {p.name}?", p.occupation, "nq"
-        else:
-            q, a, src = f"In which year was the home town of {p.name} founded?", str(p.town.founded), "hotpotqa"
-        items.append(QAItem(id=f"demo_{i}", question=q, golden_answers=[a], data_source=src))
+        template = rng.choice(_PHRASINGS[kind])
+        answer = (p.town.name, p.occupation, str(p.town.founded))[kind]
+        items.append(QAItem(id=f"demo_{i}", question=template.format(p.name), golden_answers=[answer],
+                            data_source="hotpotqa" if kind == 2 else "nq"))
     return items
 
 
+_PERSON = r"([A-Z][a-z]+ [A-Z][a-z]+)"  # generated names are two capitalised words; nothing else in a question is
+_PERSON_PASSAGE = r"{person} \(born \d+\) was an? "
+
+
+def teacher_script() -> dict[str, object]:
+    """The scripted engine's teacher for this world (services/scripted.py, teacher mode): search the person,
+    read the answer (or the home town, then search it and read its founding year) from the passages the
+    retriever returned, and answer; `fallback` (a wrong answer, filtered out by reward) when they lack it."""
+    person = {"from": "question", "pattern": _PERSON}
+    town = {"from": "info", "pattern": _PERSON_PASSAGE + r"[a-z]+ from ([A-Z][a-z]+)\."}
+    occupation = {"from": "info", "pattern": _PERSON_PASSAGE + r"([a-z]+) from"}
+    year = {"from": "info", "pattern": r"is a small town in the [a-z ]+\. It was founded in (\d+)"}
+    one_hop = {"match": "", "extract": {"person": person, "town": town, "occupation": occupation}}
+    return {"rules": [
+        {"match": "founded", "extract": {"person": person, "town": town, "year": year},
+         "turns": ["<search> {person} </search>", "<search> {town} </search>", "<answer> {year} </answer>"]},
+        {**one_hop, "match": "occupation", "turns": ["<search> {person} </search>", "<answer> {occupation} </answer>"]},
+        {**one_hop, "match": "for a living", "turns": ["<search> {person} </search>", "<answer> {occupation} </answer>"]},
+        {**one_hop, "match": "born", "turns": ["<search> {person} </search>", "<answer> {town} </answer>"]},
+        {"match": "", "turns": ["<answer> unknown </answer>"]},
+    ]}
+
+
 def write_demo_data(out: Path, *, seed: int = 0, people: int = 80, towns: int = 20, test_share: float = 0.2) -> dict[str, Path]:
-    """Write corpus.jsonl, train.jsonl and test.jsonl under `out` (temp file + rename); returns their paths."""
+    """Write corpus.jsonl, train.jsonl, test.jsonl and teacher.json (the scripted teacher) under `out` (temp file
+    + rename); returns their paths."""
     town_list, person_list = make_world(seed, people=people, towns=towns)
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.jsonl"
     tmp = out / ".corpus.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in corpus_rows(town_list, person_list)))
     tmp.replace(corpus)
-    items = questions(person_list)
+    items = questions(person_list, seed)
     n_test = max(1, int(len(items) * test_share))
-    paths = {"corpus": corpus, "train": out / "train.jsonl", "test": out / "test.jsonl"}
+    paths = {"corpus": corpus, "train": out / "train.jsonl", "test": out / "test.jsonl",
+             "teacher": out / "teacher.json"}
+    tmp = out / ".teacher.json.tmp"
+    tmp.write_text(json.dumps(teacher_script(), indent=1) + "\n")
+    tmp.replace(paths["teacher"])
     write_items(paths["train"], items[n_test:])
     write_items(paths["test"], items[:n_test])
     return paths

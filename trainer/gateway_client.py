@@ -1,7 +1,8 @@
 """HTTP client of the rollout gateway (services/): submit a rollout batch, wait for it, push new weights.
 
 Wire contract (DESIGN.md, issue 4): `POST /v1/rollouts` -> {batch_id, status}; `GET /v1/batches/{id}` ->
-{status, progress, missing_items, trajectories}; `POST /v1/policy` {path, version}; `GET /health`.
+{status, progress, missing_items, trajectories}; `POST /v1/policy` {path, version}; `GET /health`;
+`GET /v1/rollouts?run=&data_source=&reward_min=&cursor=` -> {data, count, next_cursor}; `GET /v1/rollouts/{id}`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,27 @@ class GatewayClient:
             if time.monotonic() > deadline:
                 raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {body.get('progress')})")
             time.sleep(poll_s)
+
+    def list_rollouts(self, *, run: str | None = None, data_source: str | None = None,
+                      reward_min: float | None = None, limit: int | None = None,
+                      page_size: int = 500) -> list[dict[str, Any]]:
+        """Summaries of stored trajectories matching the filters (`GET /v1/rollouts`), all pages, oldest first."""
+        filters = {"run": run, "data_source": data_source, "reward_min": reward_min}
+        params: dict[str, Any] = {k: v for k, v in filters.items() if v is not None}
+        out: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while limit is None or len(out) < limit:
+            page_params = {**params, "limit": page_size, **({"cursor": cursor} if cursor else {})}
+            page = self._json("GET", "/v1/rollouts", params=page_params)
+            out.extend(page.get("data") or [])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+        return out if limit is None else out[:limit]
+
+    def get_rollout(self, trajectory_id: str) -> Trajectory:
+        """One stored trajectory with its token arrays (`GET /v1/rollouts/{id}`)."""
+        return Trajectory.from_json(self._json("GET", f"/v1/rollouts/{trajectory_id}"))
 
     def push_policy(self, path: Path, version: int) -> dict[str, Any]:
         return self._json("POST", "/v1/policy", json={"path": str(path), "version": version})

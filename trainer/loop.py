@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from sisrl.trainer.batch import Trajectory, collate, trajectories_from_bytes, trajectories_to_bytes
 from sisrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from sisrl.trainer.config import TrainConfig
+from sisrl.trainer.config import ConfigError, TrainConfig
 from sisrl.trainer.data import MixtureSampler, QAItem, load_items
 from sisrl.trainer.distributed import (
     DistContext,
@@ -112,6 +112,8 @@ class Session:
 
 def setup(cfg: TrainConfig) -> Session:
     """Process group, seeded model, optimizer, schedule, data, rollout source; resume from the newest checkpoint."""
+    if cfg.rollout.source == "gateway" and not cfg.data.train:
+        raise ConfigError("data.train: training through the gateway needs at least one question file")
     ctx = init_distributed(cfg.distributed, cfg.device)
     seed_everything(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path(cfg.run_dir)

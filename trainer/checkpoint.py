@@ -13,7 +13,6 @@ Layout of `RUN_DIR/checkpoints/step_000004/`:
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from sisrl.common.atomic import replace_dir, write_json
 from torch import Tensor, nn
 
 STATE_FILE = "trainer_state.json"
@@ -56,10 +56,6 @@ def _unique_state(model: nn.Module) -> dict[str, Tensor]:
         seen.add(local.data_ptr())
         out[name] = _local(local)
     return out
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
 
 
 def _optimizer_split(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -113,18 +109,17 @@ def save_checkpoint(run_dir: Path, *, step: int, policy_version: int, model: nn.
         save_file(_unique_state(inner), str(tmp / f"model{suffix}.safetensors"))
         opt_tensors, opt_meta = _optimizer_split(optimizer)
         save_file(opt_tensors, str(tmp / f"optimizer{suffix}.safetensors"))
-        _write_json(tmp / f"optimizer{suffix}.json", opt_meta)
+        write_json(tmp / f"optimizer{suffix}.json", opt_meta)
     save_file(_rng_tensors(generator), str(tmp / f"rng.rank{rank}.safetensors"))
     state = random.getstate()
-    _write_json(tmp / f"rng.rank{rank}.json", {"python": [state[0], list(state[1]), state[2]]})
+    write_json(tmp / f"rng.rank{rank}.json", {"python": [state[0], list(state[1]), state[2]]})
     if barrier is not None:
         barrier()
     if rank == 0:
-        _write_json(tmp / "scheduler.json", scheduler.state_dict())
-        _write_json(tmp / STATE_FILE, {"step": step, "policy_version": policy_version, "sampler": sampler,
+        write_json(tmp / "scheduler.json", scheduler.state_dict())
+        write_json(tmp / STATE_FILE, {"step": step, "policy_version": policy_version, "sampler": sampler,
                                        "world_size": world, "sharded": sharded, "config": config})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if barrier is not None:

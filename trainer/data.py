@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sisrl.common.atomic import write_jsonl
+
 
 @dataclass(frozen=True)
 class QAItem:
@@ -97,13 +99,7 @@ def load_items(path: str | Path, data_source: str | None = None, limit: int | No
 
 def write_items(path: str | Path, items: Sequence[QAItem]) -> None:
     """Write items as JSONL via a temp file and rename."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for item in items:
-            fh.write(json.dumps(item.to_json(), ensure_ascii=False) + "\n")
-    tmp.replace(p)
+    write_jsonl(Path(path), (item.to_json() for item in items))
 
 
 class MixtureSampler:

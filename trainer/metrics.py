@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from sisrl.common.atomic import write_text
 from sisrl.trainer.batch import Trajectory
 
 METRICS_FILE = "metrics.jsonl"
@@ -75,9 +76,7 @@ class MetricsWriter:
 
     def _truncate_after(self, step: int) -> None:
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
+        write_text(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in sorted(metrics.items())}}

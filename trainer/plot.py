@@ -7,6 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from sisrl.common.atomic import atomic_path
 from sisrl.trainer.metrics import read_metrics
 
 
@@ -52,9 +53,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
             ax.axis("off")
         fig.tight_layout()
         target = out_dir / f"{name}.png"
-        tmp = out_dir / f".{name}.tmp.png"
-        fig.savefig(tmp, dpi=90)
+        with atomic_path(target) as tmp:
+            fig.savefig(tmp, dpi=90, format="png")
         plt.close(fig)
-        tmp.replace(target)
         written.append(target)
     return written

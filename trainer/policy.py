@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from sisrl.common.atomic import atomic_dir
 from sisrl.services.policy_models import build_tiny_policy, load_tokenizer, resolve_policy_path
 from sisrl.trainer.batch import RolloutBatch
 from sisrl.trainer.config import ModelConfig, OptimConfig
@@ -117,16 +115,9 @@ def save_hf_directory(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out:
     base = unwrap(model)
     if not isinstance(base, PreTrainedModel):
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(base).__name__}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=True) as tmp:
         base.save_pretrained(tmp, safe_serialization=True, state_dict=state)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

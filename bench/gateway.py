@@ -27,15 +27,13 @@ import dataclasses
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
 from sisrl.services import store
 from sisrl.services.agent import SearchR1Protocol
 from sisrl.services.engines.base import Engine, create_engine
@@ -98,30 +96,19 @@ def workload(cfg: BenchConfig) -> tuple[list[RolloutItem], list[ScriptRule]]:
     return items, rules
 
 
-def start_retriever(cfg: BenchConfig, tmp: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+def start_retriever(cfg: BenchConfig, tmp: Path) -> tuple[str, Service | None]:
     if cfg.retriever:
         return cfg.retriever, None
     corpus = tmp / "passages.jsonl"
     with (SHARED / "corpus" / "wiki_passages.jsonl").open() as src, corpus.open("w") as dst:
         for _, line in zip(range(cfg.passages), src, strict=False):
             dst.write(line)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(tmp / "index"), "--corpus", str(corpus),
-         "--encoder", "minilm", "--port", str(port), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=(tmp / "retriever.log").open("wb"))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(3000):
-        if process.poll() is not None:
-            raise RuntimeError(f"retriever exited: {(tmp / 'retriever.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url, process
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise RuntimeError("retriever did not start")
+    port = free_port()
+    service = launch_module("retriever", "sisrl.retriever.cli",
+                            ["serve", "--index", str(tmp / "index"), "--corpus", str(corpus), "--encoder", "minilm",
+                             "--port", str(port), "--log-level", "warning"], port=port, log=tmp / "retriever.log")
+    wait_healthy(service, timeout_s=600)
+    return service.url, service
 
 
 @dataclass
@@ -189,7 +176,7 @@ async def bench(cfg: BenchConfig) -> list[Result]:
                             sampling=SamplingIn(max_new_tokens=512, logprobs_k=5, seed=cfg.seed), max_turns=8)
     with tempfile.TemporaryDirectory(prefix="sisrl-bench-") as name:
         tmp = Path(name)
-        url, process = start_retriever(cfg, tmp)
+        url, retriever = start_retriever(cfg, tmp)
         engine = build_engine(cfg)
         try:
             await run_mode("warmup", dataclasses.replace(cfg), engine, url, rules,
@@ -197,9 +184,8 @@ async def bench(cfg: BenchConfig) -> list[Result]:
             results = [await run_mode(mode, cfg, engine, url, rules, request, tmp) for mode in ("turn-sync", "async")]
         finally:
             await engine.close()
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=30)
+            if retriever is not None:
+                retriever.stop()
     return results
 
 

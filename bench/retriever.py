@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from sisrl.common.procs import Service, launch, wait_healthy
 from sisrl.retriever.eval import evaluate, http_retrieve, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,21 +68,11 @@ class QueryPool:
             return out
 
 
-def start(command: list[str], url: str, log: Path, threads: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if threads:  # the same OpenMP thread count for both servers
-        env["OMP_NUM_THREADS"] = str(threads)
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{command[:3]} exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.25)
-    raise RuntimeError(f"{url} did not come up")
+def start(name: str, command: list[str], url: str, log: Path, threads: int) -> Service:
+    # The same OpenMP thread count for both servers.
+    service = launch(name, command, url=url, log=log, env={"OMP_NUM_THREADS": str(threads)} if threads else None)
+    wait_healthy(service, timeout_s=600)
+    return service
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -139,7 +129,7 @@ def rl_batch(pool: QueryPool) -> list[str]:
 
 def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args: argparse.Namespace,
                  workdir: Path) -> dict[str, object]:
-    process = start(command, url, workdir / f"{name}.log", args.threads)
+    service = start(name, command, url, workdir / f"{name}.log", args.threads)
     try:
         run_batches(url, lambda: pool.take(8), 2)  # warm-up: first forward passes, page-in of the index
         out: dict[str, object] = {
@@ -149,11 +139,10 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
         }
         report = evaluate(load_questions(args.questions), http_retrieve(f"{url}/retrieve"))
         out["recall"] = report.as_dict()
-        out["peak_rss_mib"] = peak_rss_mib(process.pid)
+        out["peak_rss_mib"] = peak_rss_mib(service.process.pid)
         return out
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        service.stop(timeout_s=60)
 
 
 def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:

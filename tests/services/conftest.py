@@ -4,12 +4,9 @@ started as real uvicorn subprocesses on free loopback ports."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from sisrl.common.procs import free_port, launch_module, stop_process, wait_healthy
 
 GATEWAY_TOKEN = "test-token-123456"
 NQ_QUESTIONS = 6  # nq/dev questions whose gold passages go into the small index
@@ -26,35 +24,7 @@ OTHER_PASSAGES = 50
 SEED = 7
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 180.0) -> None:
-    start = time.perf_counter()
-    while time.perf_counter() - start < timeout:
-        if process.poll() is not None:
-            raise RuntimeError(f"process exited with {process.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"{url} did not become healthy in {timeout}s: {log.read_text()[-3000:]}")
-
-
-def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if process.poll() is None:
-        process.send_signal(sig)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+STARTUP_S = 180.0
 
 
 @pytest.fixture(scope="session")
@@ -99,15 +69,12 @@ def retriever_url(qa_subset: QASubset, tmp_path_factory: pytest.TempPathFactory)
     index = tmp_path_factory.mktemp("qa_index")
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "retriever.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--corpus",
-         str(qa_subset.corpus), "--encoder", "minilm", "--port", str(port), "--log-level", "warning"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process, log)
-    yield url
-    stop_process(process)
+    service = launch_module("retriever", "sisrl.retriever.cli",
+                            ["serve", "--index", str(index), "--corpus", str(qa_subset.corpus), "--encoder", "minilm",
+                             "--port", str(port), "--log-level", "warning"], port=port, log=log)
+    wait_healthy(service, timeout_s=STARTUP_S)
+    yield service.url
+    service.stop()
 
 
 @dataclass
@@ -154,16 +121,11 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayF
         db_url = db_url or f"sqlite:///{tmp / 'rollouts.db'}"
         port = free_port()
         args = ["serve", "--port", str(port), "--db-url", db_url, "--checkpoint-root", str(tmp), *options]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "SISRL_GATEWAY_LOG_LEVEL": "warning"}
-        env.pop("SISRL_GATEWAY_API_TOKEN", None)
-        if token is not None:
-            env["SISRL_GATEWAY_API_TOKEN"] = token
-        log = tmp / "gateway.log"
-        process = subprocess.Popen([sys.executable, "-m", "sisrl.services.cli", *args],
-                                   stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log)
-        gateway = Gateway(url=url, args=args, db_url=db_url, log=log, process=process, root=tmp, token=token)
+        env = {"SISRL_GATEWAY_LOG_LEVEL": "warning", "SISRL_GATEWAY_API_TOKEN": token}  # None: unset
+        service = launch_module("gateway", "sisrl.services.cli", args, port=port, log=tmp / "gateway.log", env=env)
+        wait_healthy(service, timeout_s=STARTUP_S)
+        gateway = Gateway(url=service.url, args=args, db_url=db_url, log=service.log, process=service.process,
+                          root=tmp, token=token)
         started.append(gateway)
         return gateway
 
@@ -217,18 +179,13 @@ def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("policy_checkpoints")
     log = tmp_path_factory.mktemp("policy_server") / "server.log"
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("SISRL_ENGINE_API_TOKEN", None)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sisrl.services.engines.openai_server", "--model", str(tiny_policy_dir),
-         "--port", str(port), "--checkpoint-root", str(root), "--max-tokens", "16", "--log-level", "warning",
-         "--threads", "1"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process, log)
-    yield PolicyServer(url=url, checkpoint_root=root, log=log, process=process)
-    stop_process(process)
+    service = launch_module("policy server", "sisrl.services.engines.openai_server",
+                            ["--model", str(tiny_policy_dir), "--port", str(port), "--checkpoint-root", str(root),
+                             "--max-tokens", "16", "--log-level", "warning", "--threads", "1"],
+                            port=port, log=log, env={"SISRL_ENGINE_API_TOKEN": None})
+    wait_healthy(service, timeout_s=STARTUP_S)
+    yield PolicyServer(url=service.url, checkpoint_root=root, log=log, process=service.process)
+    service.stop()
 
 
 @pytest.fixture(scope="session")

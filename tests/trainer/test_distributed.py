@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from sisrl.common.procs import free_port
 from sisrl.trainer.config import RolloutConfig
 from sisrl.trainer.policy import load_policy
 from sisrl.trainer.sampling import SyntheticSource
@@ -24,12 +24,6 @@ from sisrl.trainer.sampling import SyntheticSource
 from tests.trainer.ddp_worker import CASES, STRATEGIES, case_config, one_update
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _batch() -> list:
@@ -52,7 +46,7 @@ def test_ddp_and_fsdp2_update_equals_single_process(tmp_path: Path) -> None:
     batch_path = tmp_path / "batch.json"
     batch_path.write_text(json.dumps([t.to_json() for t in trajs]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(WORKER), str(batch_path), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

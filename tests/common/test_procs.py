@@ -1,0 +1,47 @@
+"""sisrl.common.procs on a stdlib HTTP server: launch, wait healthy, environment overrides, stop, early exit."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from sisrl.common.procs import free_port, launch, wait_healthy
+
+# Answers GET /health with 200 and GET /env/NAME with that variable (404 when unset).
+SERVER = """
+import http.server, os, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        name = self.path.removeprefix("/env/")
+        value = "ok" if self.path == "/health" else os.environ.get(name)
+        self.send_response(200 if value is not None else 404)
+        self.end_headers()
+        self.wfile.write((value or "").encode())
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_launch_wait_env_and_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SISRL_TEST_DROPPED", "secret")
+    port = free_port()
+    service = launch("stub", [sys.executable, "-c", SERVER, str(port)], url=f"http://127.0.0.1:{port}",
+                     log=tmp_path / "logs" / "stub.log", env={"SISRL_TEST_SET": "1", "SISRL_TEST_DROPPED": None})
+    try:
+        wait_healthy(service, timeout_s=30)
+        assert httpx.get(f"{service.url}/env/SISRL_TEST_SET").text == "1"
+        assert httpx.get(f"{service.url}/env/HF_HUB_OFFLINE").text == "1"
+        assert httpx.get(f"{service.url}/env/SISRL_TEST_DROPPED").status_code == 404
+        assert os.environ["SISRL_TEST_DROPPED"] == "secret"  # the parent's environment is untouched
+    finally:
+        code = service.stop(timeout_s=10)
+    assert code == -15  # ended by our SIGTERM, not by SIGKILL or on its own
+
+
+def test_wait_healthy_reports_an_early_exit_with_the_log_tail(tmp_path: Path) -> None:
+    service = launch("broken", [sys.executable, "-c", "import sys; print('bad option --x'); sys.exit(2)"],
+                     url=f"http://127.0.0.1:{free_port()}", log=tmp_path / "broken.log")
+    with pytest.raises(RuntimeError, match=r"broken exited with 2(.|\n)*bad option --x"):
+        wait_healthy(service, timeout_s=30)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
+from sisrl.common.tensors import masked_mean
 from sisrl.trainer.sis import sis_log_ratio
 from torch import Tensor
 
@@ -101,18 +102,14 @@ def compute_log_ratio(
         if tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
         excess = torch.relu(log_w.detach() - torch.log(torch.tensor(tis_cap)))
-        return RatioResult(log_w - excess, None, {"tis/truncated_frac": _masked_mean((excess > 0).float(), valid)})
+        return RatioResult(log_w - excess, None, {"tis/truncated_frac": masked_mean((excess > 0).float(), valid)})
     if strategy == "icepop":
         if not 0 <= icepop_low < icepop_high:
             raise ValueError(f"icepop bounds need 0 <= low < high, got low={icepop_low}, high={icepop_high}")
         w = log_w.detach().exp()
         keep = ((w >= icepop_low) & (w <= icepop_high)).float()
-        return RatioResult(log_w, keep, {"icepop/masked_frac": _masked_mean(1.0 - keep, valid)})
+        return RatioResult(log_w, keep, {"icepop/masked_frac": masked_mean(1.0 - keep, valid)})
     raise ValueError(f"unknown ratio strategy {strategy!r}; valid: {list(RATIO_STRATEGIES)}")
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def aggregate(
@@ -166,7 +163,7 @@ def _clipped_objective(
         loss = torch.where(adv < 0, dual, loss)
         clipped = clipped | ((adv < 0) & (dual < torch.maximum(pg1, pg2)))
     valid = mask.bool()
-    return loss, {"loss/clipfrac": _masked_mean(clipped.float(), valid).detach()}
+    return loss, {"loss/clipfrac": masked_mean(clipped.float(), valid).detach()}
 
 
 def _finish(loss_mat: Tensor, mask: Tensor, agg_mode: str, weights: Tensor | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from sisrl.common.tensors import masked_mean
 from torch import Tensor
 
 
@@ -126,10 +127,6 @@ def sis_log_ratio(
     return SISResult(log_ratio, accepted, log_m, metrics)
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
-
-
 def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """Per-batch SIS diagnostics over unmasked tokens only (all inputs [B, T] except topk_p = pi on V_K [B, T, K]).
 
@@ -150,13 +147,13 @@ def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: T
         xi = 1.0 - topk_p.sum(dim=-1)
         w = log_w.clamp(max=50.0).exp()  # clamp: an exp overflow must not turn the KL estimate into inf
         return {
-            "sis/accept_rate": _masked_mean(accepted.float(), mask),
+            "sis/accept_rate": masked_mean(accepted.float(), mask),
             "sis/D": abs_l.sum() / rows,
             "sis/D_sis": torch.where(accepted, zero, abs_l).sum() / rows,
-            "sis/xi_k": _masked_mean(xi.clamp(min=0.0), mask),
+            "sis/xi_k": masked_mean(xi.clamp(min=0.0), mask),
             "sis/ratio_min": torch.where(has, torch.where(mask, ratio, inf).amin(), ratio.new_zeros(())),
-            "sis/ratio_mean": _masked_mean(ratio, mask),
+            "sis/ratio_mean": masked_mean(ratio, mask),
             "sis/ratio_max": torch.where(has, torch.where(mask, ratio, -inf).amax(), ratio.new_zeros(())),
-            "sis/kl_k1": _masked_mean(-log_w, mask),
-            "sis/kl_k3": _masked_mean(w - 1.0 - log_w, mask),
+            "sis/kl_k1": masked_mean(-log_w, mask),
+            "sis/kl_k3": masked_mean(w - 1.0 - log_w, mask),
         }

@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from sisrl.common.tensors import masked_mean
 from sisrl.trainer.advantages import dynamic_sampling_mask, grpo_advantages
 from sisrl.trainer.batch import RolloutBatch
 from sisrl.trainer.config import AlgorithmConfig, OptimConfig
@@ -136,7 +137,7 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
     agg = u.agg_mode()
     with torch.set_grad_enabled(u.algo.entropy_coef > 0):
         entropy = entropy_from_logits(logits, u.chunk_size)  # [b, T]
-    metrics["actor/entropy"] = _masked_mean(entropy.detach(), mb.mask)
+    metrics["actor/entropy"] = masked_mean(entropy.detach(), mb.mask)
     if u.algo.entropy_coef > 0:
         loss = loss - u.algo.entropy_coef * aggregate(entropy, mb.mask, agg, global_tokens, u.world)
     if u.ref_model is not None and u.algo.kl_coef > 0:
@@ -144,16 +145,12 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
             ref_logp = gather_logprobs(response_logits(u.ref_model, mb, autocast=u.autocast), mb.response_ids,
                                        u.temperature, u.chunk_size)
         kl = kl_penalty(logp, ref_logp, u.algo.kl_type)  # [b, T]
-        metrics["actor/kl_ref"] = _masked_mean(kl.detach(), mb.mask)
+        metrics["actor/kl_ref"] = masked_mean(kl.detach(), mb.mask)
         loss = loss + u.algo.kl_coef * aggregate(kl, mb.mask, agg, global_tokens, u.world)
     if agg != "token-mean":
         loss = loss * seq_scale  # seq-mean modes average over the micro-batch: rescale to the mini-batch
     metrics["actor/loss"] = loss.detach()
     return loss, metrics
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def _step(u: Updater) -> tuple[Tensor, bool]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K
 from sisrl.services.rewards import DEFAULT_SPECS
 
 BatchStatus = Literal["running", "done", "failed", "partial"]
@@ -43,7 +44,8 @@ class SamplingIn(_Strict):
     max_new_tokens: int = Field(default=256, ge=1, le=4096, description="tokens per generation (one turn)")
     temperature: float = Field(default=1.0, gt=0.0, le=10.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    logprobs_k: int = Field(default=20, ge=1, le=100, description="top-K recorded per sampled token")
+    logprobs_k: int = Field(default=DEFAULT_LOGPROBS_K, ge=1, le=MAX_LOGPROBS_K,
+                            description="top-K recorded per sampled token")
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
 

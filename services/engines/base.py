@@ -20,10 +20,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from sisrl.common.wire import DEFAULT_LOGPROBS_K, MIN_LOGPROB
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-MIN_LOGPROB = -9999.0
 # Temperatures below this decode greedily (vLLM's sampling epsilon): 1/temperature would overflow the logits.
 GREEDY_TEMPERATURE = 1e-5
 FINISH_REASONS = ("stop", "eos", "length")
@@ -37,7 +38,7 @@ class SamplingParams:
     max_new_tokens: int = 256  # generated tokens at most (stop text and EOS included)
     temperature: float = 1.0  # 0 = greedy; > 0 scales the logits by 1/temperature
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables it
-    logprobs_k: int = 20  # K: top-K ids/log-probs of q recorded per generated position
+    logprobs_k: int = DEFAULT_LOGPROBS_K  # K: top-K ids/log-probs of q recorded per generated position
     stop: tuple[str, ...] = ("</search>", "</answer>")  # generation ends after any of these (text kept)
     seed: int | None = None  # per-request RNG seed; None draws a fresh one
 

@@ -1,0 +1,29 @@
+"""Constants of the wire contracts between the parts (DESIGN.md, "Wire contracts"): one definition each.
+
+A part reads these instead of restating them, so the trainer's defaults, the gateway's limits and the
+engines' conventions cannot drift apart.
+"""
+
+from __future__ import annotations
+
+LOOPBACK = "127.0.0.1"
+RETRIEVER_PORT = 8000  # `sisrl-retriever serve` (Search-R1's retrieval server uses 8000 too)
+ENGINE_PORT = 8001  # `python -m sisrl.services.engines.openai_server`
+GATEWAY_PORT = 8100  # `sisrl-gateway serve`
+RETRIEVER_URL = f"http://{LOOPBACK}:{RETRIEVER_PORT}"
+GATEWAY_URL = f"http://{LOOPBACK}:{GATEWAY_PORT}"
+
+# Log-probs are floored here (vLLM's OpenAI server uses the same floor): tokens top-p removed carry a finite,
+# JSON-safe value instead of -inf.
+MIN_LOGPROB = -9999.0
+# K: top-K ids/log-probs of q recorded per sampled token. The gateway refuses more than MAX_LOGPROBS_K.
+DEFAULT_LOGPROBS_K = 20
+MAX_LOGPROBS_K = 100
+
+# Every field of a trajectory as the gateway serves it (`GET /v1/batches/{id}`, `GET /v1/rollouts/{id}`);
+# the trainer reads a subset under the same names.
+TRAJECTORY_FIELDS = (
+    "id", "batch_id", "item_id", "group_id", "run", "step", "data_source", "question", "golden_answers",
+    "prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "topk_ids", "topk_logprobs", "turns",
+    "finish_reason", "answer", "reward", "reward_parts", "policy_version", "timings", "error",
+)

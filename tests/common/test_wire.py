@@ -1,0 +1,47 @@
+"""The wire constants of sisrl.common.wire are what each part's defaults and limits actually say."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from sisrl.common import wire
+from sisrl.services.engines.base import MIN_LOGPROB, SamplingParams
+from sisrl.services.schemas import SamplingIn
+from sisrl.services.schemas import Trajectory as GatewayTrajectory
+from sisrl.services.settings import GatewaySettings
+from sisrl.trainer.batch import Trajectory as TrainerTrajectory
+from sisrl.trainer.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "trainer" / "configs"
+
+
+def test_trajectory_fields_are_the_gateway_model_and_a_superset_of_the_trainers() -> None:
+    assert tuple(GatewayTrajectory.model_fields) == wire.TRAJECTORY_FIELDS
+    assert {f.name for f in fields(TrainerTrajectory)} <= set(wire.TRAJECTORY_FIELDS)
+
+
+def test_logprob_floor_and_k_limits() -> None:
+    assert MIN_LOGPROB == wire.MIN_LOGPROB
+    assert SamplingParams().logprobs_k == SamplingIn().logprobs_k == wire.DEFAULT_LOGPROBS_K
+    SamplingIn(logprobs_k=wire.MAX_LOGPROBS_K)
+    with pytest.raises(ValueError, match="less than or equal to 100"):
+        SamplingIn(logprobs_k=wire.MAX_LOGPROBS_K + 1)
+
+
+def test_gateway_and_retriever_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SISRL_GATEWAY_PORT", "SISRL_GATEWAY_RETRIEVER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    settings = GatewaySettings()
+    assert settings.port == wire.GATEWAY_PORT
+    assert settings.retriever_url == wire.RETRIEVER_URL
+
+
+@pytest.mark.xfail(strict=True, reason="trainer/config.py RolloutConfig.gateway_url and "
+                   "trainer/configs/nq_hotpotqa_qwen3b_gpu.yaml still say port 8300 (owned by another change)")
+def test_trainer_talks_to_the_gateways_default_port() -> None:
+    assert load_config(None).rollout.gateway_url == wire.GATEWAY_URL
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        url = load_config(path).rollout.gateway_url
+        assert url.rsplit(":", 1)[-1].rstrip("/") == str(wire.GATEWAY_PORT), path.name

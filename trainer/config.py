@@ -100,6 +100,7 @@ class SFTConfig(_Section):
     epochs: int = Field(default=1, ge=1, description="passes over the demonstrations")
     batch_size: int = Field(default=8, ge=1, description="demonstrations per optimizer step (split by optim.micro_batch_size)")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many optimizer steps (None = epochs x batches)")
+    lr: float | None = Field(default=None, gt=0, description="peak learning rate of the warm start (None = optim.lr)")
 
 
 class DistributedConfig(_Section):

@@ -52,6 +52,7 @@ def em_by_source(trajs: list[Trajectory]) -> dict[str, float]:
         out[f"eval/f1/{source}"] = sum(t.reward_parts.get("f1", 0.0) for t in ts) / len(ts)
         out[f"eval/count/{source}"] = float(len(ts))
     out["eval/em"] = sum(t.reward_parts.get("em", 0.0) for t in trajs) / max(1, len(trajs))
+    out["eval/searches_per_traj"] = sum(len(t.turns) for t in trajs) / max(1, len(trajs))
     return out
 
 

@@ -39,15 +39,18 @@ log = logging.getLogger(__name__)
 SFT_DIR = "hf"  # RUN_DIR/hf: the warm-started policy as a Hugging Face directory
 
 
-def fetch_demonstrations(client: GatewayClient, cfg: SFTConfig, *, progress: bool = True) -> list[Trajectory]:
-    """Every stored trajectory of `cfg.runs` that passes the filters, with its token arrays, oldest first."""
+def fetch_demonstrations(client: GatewayClient, cfg: SFTConfig, *, seed: int = 0,
+                         progress: bool = True) -> list[Trajectory]:
+    """The stored trajectories of `cfg.runs` that pass the filters, with their token arrays; with
+    `max_trajectories`, a seeded random subset of them (store order is completion order: short one-hop
+    trajectories finish first, so its head would under-represent two-hop questions)."""
     if not cfg.runs:
         raise ValueError("sft.runs is empty: name the gateway run(s) whose trajectories are the demonstrations")
     summaries = []
     for run in cfg.runs:
         summaries += client.list_rollouts(run=run, data_source=cfg.data_source, reward_min=cfg.reward_min)
-    if cfg.max_trajectories is not None:
-        summaries = summaries[: cfg.max_trajectories]
+    if cfg.max_trajectories is not None and len(summaries) > cfg.max_trajectories:
+        summaries = random.Random(f"{seed}:demonstrations").sample(summaries, cfg.max_trajectories)
     if not summaries:
         raise ValueError(f"no stored trajectory matches sft.runs={cfg.runs}, sft.data_source={cfg.data_source!r}, "
                          f"sft.reward_min={cfg.reward_min}")
@@ -109,13 +112,14 @@ def train_sft(cfg: TrainConfig, demos: list[Trajectory] | None = None) -> SFTRes
     run_dir = Path(cfg.run_dir)
     if demos is None:
         client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token)
-        demos = fetch_demonstrations(client, cfg.sft, progress=cfg.progress)
+        demos = fetch_demonstrations(client, cfg.sft, seed=cfg.seed, progress=cfg.progress)
     device = pick_device(cfg.device, local_rank=0)  # one process: the warm start is short
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed, device=device)
     batches = _batches(len(demos), cfg.sft, cfg.seed)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, len(batches))
+    optim = cfg.optim if cfg.sft.lr is None else cfg.optim.model_copy(update={"lr": cfg.sft.lr})
+    optimizer = build_optimizer(model, optim)
+    scheduler = build_scheduler(optimizer, optim, len(batches))
     writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     history: list[dict[str, float]] = []

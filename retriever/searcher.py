@@ -23,7 +23,7 @@ Hit = tuple[Passage, float]
 @dataclass(frozen=True)
 class SearcherOptions:
     encoder: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     encode_batch_size: int = 64
     faiss_gpu: bool = False

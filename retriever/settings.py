@@ -20,7 +20,8 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 only inside a container")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     encoder: str | None = Field(None, description="encoder model; default: the one recorded in the index manifest")
-    dtype: str = Field("float32", description="encoder dtype: float32 | bfloat16 | float16")
+    dtype: str = Field("auto", description="encoder dtype: auto (bfloat16 only where native: CUDA, or a CPU "
+                       "with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     device: str = Field("auto", description="encoder device: auto | cpu | cuda | cuda:N | mps")
     encode_batch_size: int = Field(64, ge=1, description="queries per encoder forward pass")
     default_topk: int = Field(3, ge=1, le=MAX_TOPK, description="topk when a request gives none (Search-R1: 3)")
@@ -48,8 +49,8 @@ class Settings(BaseSettings):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}, expected one of {sorted(DTYPES)}")
+        if value != "auto" and value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}, expected auto or one of {sorted(DTYPES)}")
         return value
 
     @field_validator("api_token", mode="before")

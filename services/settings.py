@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sisrl.common.hardware import DTYPE_NAMES
 
 ENGINES = ("local", "vllm-http", "vllm", "scripted")
 
@@ -21,6 +22,8 @@ class GatewaySettings(BaseSettings):
     engine: str = Field(default="local", description=f"inference engine: one of {ENGINES}")
     model: str = Field(default="smollm2-135m-instruct", description="policy model name, directory or hub id")
     tokenizer: str | None = Field(default=None, description="tokenizer directory or id (default: the model)")
+    dtype: str = Field(default="auto", description="local engine dtype: auto (bfloat16 only where native: CUDA, "
+                       "or a CPU with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http)")
     script: Path | None = Field(default=None, description="JSON script of the scripted policy (engine scripted)")
     retriever_url: str = Field(default="http://127.0.0.1:8000", description="Search-R1 compatible retriever")
@@ -45,6 +48,8 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype: unknown dtype {self.dtype!r}, expected one of {DTYPE_NAMES}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine: unknown engine {self.engine!r}, expected one of {ENGINES}")
         if self.engine == "vllm-http" and not self.engine_url:

@@ -42,7 +42,7 @@ def build_engine(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) 
         return ScriptedEngine(tokenizer, load_script(settings.script))
     if settings.engine == "local":
         return create_engine("local", model=settings.model, tokenizer=tokenizer,
-                             max_batch_size=settings.max_concurrency)
+                             max_batch_size=settings.max_concurrency, dtype=settings.dtype)
     return create_engine(settings.engine, model=settings.model, url=settings.engine_url)
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from sisrl.common.hardware import resolve_dtype
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, check_prompt
 from sisrl.services.engines.kv_batch import KVBatch
 from sisrl.services.engines.sampling import StopChecker, processed_logprobs, sample_tokens, topk_by_rank
@@ -70,7 +71,7 @@ class _Swap:
 
 
 class LocalEngine:
-    """Engine over a transformers causal LM on CPU (or one device), fp32 by default."""
+    """Engine over a transformers causal LM on CPU (or one device); dtype `auto` = fp32 unless bf16 is native."""
 
     def __init__(
         self,
@@ -78,7 +79,7 @@ class LocalEngine:
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_batch_size: int = 32,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         policy_version: int = 0,
         num_threads: int | None = None,
         eos_ids: frozenset[int] | None = None,
@@ -98,6 +99,8 @@ class LocalEngine:
             torch.set_num_threads(num_threads)
         if isinstance(model, str):
             tokenizer = tokenizer or load_tokenizer(model)
+            if isinstance(dtype, str):  # `auto`: bf16 only where native (sisrl.common.hardware)
+                dtype = getattr(torch, resolve_dtype(dtype, "cpu", what=f"policy {model}"))
             model = AutoModelForCausalLM.from_pretrained(resolve_policy_path(model), dtype=dtype)
         elif tokenizer is None:
             raise ValueError(

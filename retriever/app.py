@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sisrl.common.http import ServiceMiddleware
 from sisrl.retriever.metrics import Metrics
-from sisrl.retriever.middleware import BodyLimitMiddleware, RequestLogMiddleware
 from sisrl.retriever.routes import health, metrics, retrieve
 from sisrl.retriever.searcher import SearcherOptions, open_searcher
 from sisrl.retriever.service import RetrievalService, ServiceOptions
@@ -64,6 +64,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(retrieve.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestLogMiddleware, metrics=metrics_registry)
+    app.add_middleware(ServiceMiddleware, metrics=metrics_registry.http, max_body=settings.max_body_bytes,
+                       limit_setting="max_body_bytes", access_log=logging.getLogger("sisrl.retriever.access"))
     return app

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, Request
+from sisrl.common.http import bearer_dependency
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.service import RetrievalService
 from sisrl.retriever.settings import Settings
-
-_bearer = HTTPBearer(auto_error=False)
 
 
 def get_settings(request: Request) -> Settings:
@@ -29,15 +26,8 @@ def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
-def require_token(settings: Annotated[Settings, Depends(get_settings)],
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    """When `api_token` is set, demand `Authorization: Bearer <token>` (compared in constant time)."""
-    if settings.api_token is None:
-        return
-    expected = settings.api_token.get_secret_value()
-    if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise HTTPException(401, detail="missing or wrong bearer token (header 'Authorization: Bearer <token>')",
-                            headers={"WWW-Authenticate": "Bearer"})
+# When `api_token` is set, demand `Authorization: Bearer <token>` (sisrl.common.http).
+require_token = bearer_dependency(lambda request: get_settings(request).api_token)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sisrl.common.http import RequestMetrics
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -12,11 +13,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("sisrl_retriever_requests", "HTTP requests by route and status code",
-                                ["route", "status"], registry=self.registry)
-        self.latency = Histogram("sisrl_retriever_request_latency_seconds", "HTTP request latency, seconds",
-                                 ["route"], registry=self.registry,
-                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.http = RequestMetrics(self.registry, requests="sisrl_retriever_requests",
+                                   latency="sisrl_retriever_request_latency_seconds")
         self.request_queries = Histogram("sisrl_retriever_request_queries", "queries per /retrieve request",
                                          registry=self.registry, buckets=_BATCH_BUCKETS)
         self.encoder_batch = Histogram("sisrl_retriever_encoder_batch_queries",

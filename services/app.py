@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sisrl.common.http import ServiceMiddleware
 from sisrl.services.deps import TokenDep
 from sisrl.services.metrics import GatewayMetrics
-from sisrl.services.middleware import GatewayMiddleware
 from sisrl.services.routes import batches, health, policy, rollouts, runs
 from sisrl.services.settings import GatewaySettings
 from sisrl.services.state import close_state, open_state
@@ -29,7 +30,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="sisrl rollout gateway", version="0.1.0", lifespan=lifespan,
                   description="Multi-turn search-agent rollouts, rewards and a queryable rollout store.")
-    app.add_middleware(GatewayMiddleware, metrics=metrics, max_body=settings.max_request_bytes)
+    app.add_middleware(ServiceMiddleware, metrics=metrics.http, max_body=settings.max_request_bytes,
+                       limit_setting="max_request_bytes", access_log=logging.getLogger("sisrl.services.access"))
     app.include_router(health.router)
     app.include_router(health.metrics_router)
     for module in (rollouts, batches, runs, policy):

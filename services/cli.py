@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = settings_from_args(args, parser)
     import uvicorn
+    from sisrl.common.http import configure_logging
     from sisrl.services.app import create_app
-    from sisrl.services.middleware import configure_logging
 
     configure_logging(settings.log_level)
     print(f"sisrl-gateway: serving on http://{settings.host}:{settings.port} (engine {settings.engine})",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sisrl.common.http import RequestMetrics
 from sisrl.services.timing import BusyClock
 
 
@@ -14,10 +15,7 @@ class GatewayMetrics:
     def __init__(self, clock: BusyClock) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("sisrl_gateway_http_requests", "HTTP requests", ["method", "route", "status"],
-                                registry=r)
-        self.request_seconds = Histogram("sisrl_gateway_http_request_seconds", "HTTP request latency (s)",
-                                         ["route"], registry=r)
+        self.http = RequestMetrics(r, requests="sisrl_gateway_http_requests", latency="sisrl_gateway_http_request_seconds")
         self.trajectories = Counter("sisrl_gateway_trajectories", "finished trajectories",
                                     ["data_source", "finish_reason"], registry=r)
         self.trajectory_seconds = Histogram(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sisrl.retriever.atomic import atomic_path, write_json
+from sisrl.common.atomic import atomic_path, write_json
 from sisrl.retriever.corpus import ReadStats, file_sha256, iter_passages
 from sisrl.retriever.docstore import DocStore, DocStoreWriter
 from sisrl.retriever.encoder import Encoder

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sisrl.retriever.atomic import write_json
+from sisrl.common.atomic import write_json
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "sisrl-retriever-index/1"

@@ -33,12 +33,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
 from sisrl.services import store
 from sisrl.services.agent import SearchR1Protocol
 from sisrl.services.engines.base import Engine, create_engine
 from sisrl.services.metrics import GatewayMetrics
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
 from sisrl.services.retrieval_client import RetrievalClient
 from sisrl.services.rewards import DEFAULT_SPECS
 from sisrl.services.runner import BatchRunner, RunnerDeps, run_turn_synchronous

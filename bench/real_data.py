@@ -86,7 +86,7 @@ def naive_rag(policy: str, retriever_url: str, items: list[QAItem]) -> dict[str,
 
 def main() -> None:
     args = parse_args()
-    from sisrl.services.policy_models import smollm2_dir
+    from sisrl.common.models import smollm2_dir
 
     w: Path = args.workdir
     policy = str(smollm2_dir())

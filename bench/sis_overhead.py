@@ -60,7 +60,7 @@ def _step_fn(model: torch.nn.Module, input_ids: torch.Tensor, variant: str, k: i
 
 
 def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
-    from sisrl.services.policy_models import build_tiny_policy, load_tokenizer, resolve_policy_path
+    from sisrl.common.models import build_tiny_policy, load_tokenizer, resolve_policy_path
 
     torch.manual_seed(0)
     if args.model == "tiny":

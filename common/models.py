@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from sisrl.common.atomic import atomic_dir
-from sisrl.retriever.cache import user_cache_dir
+from sisrl.common.cache import user_cache_dir
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,

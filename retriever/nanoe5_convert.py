@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from sisrl.common.atomic import atomic_dir, write_json
-from sisrl.retriever.cache import user_cache_dir
+from sisrl.common.cache import user_cache_dir
 from sisrl.retriever.spm_charsmap import compile_charsmap
 
 if TYPE_CHECKING:

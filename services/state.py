@@ -6,11 +6,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from sisrl.common.models import load_tokenizer
 from sisrl.services import store
 from sisrl.services.agent import SearchR1Protocol
 from sisrl.services.engines.base import Engine, create_engine
 from sisrl.services.metrics import GatewayMetrics
-from sisrl.services.policy_models import load_tokenizer
 from sisrl.services.retrieval_client import RetrievalClient, RetryPolicy
 from sisrl.services.rewards import DEFAULT_SPECS, RewardSpec
 from sisrl.services.runner import BatchRunner, RunnerDeps

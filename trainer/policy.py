@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from sisrl.common.atomic import atomic_dir
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer, resolve_policy_path
+from sisrl.common.models import build_tiny_policy, load_tokenizer, resolve_policy_path
 from sisrl.trainer.batch import RolloutBatch
 from sisrl.trainer.config import ModelConfig, OptimConfig
 from torch import Tensor, nn

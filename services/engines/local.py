@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 from sisrl.common.hardware import resolve_dtype
+from sisrl.common.models import load_tokenizer, resolve_policy_path
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, check_prompt
 from sisrl.services.engines.kv_batch import KVBatch
 from sisrl.services.engines.sampling import StopChecker, processed_logprobs, sample_tokens, topk_by_rank
 from sisrl.services.engines.weights import check_state, copy_state, read_safetensors
-from sisrl.services.policy_models import load_tokenizer, resolve_policy_path
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)

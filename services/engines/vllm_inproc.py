@@ -13,8 +13,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from sisrl.common.models import resolve_policy_path
 from sisrl.services.engines.base import Generation, SamplingParams, check_prompt, clamp_logprob
-from sisrl.services.policy_models import resolve_policy_path
 
 WORKER_EXTENSION = "sisrl.services.engines.vllm_worker.SafetensorsReload"
 

@@ -30,7 +30,7 @@ STARTUP_S = 180.0
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny Llama with the real SmolLM2 tokenizer, saved as an HF directory."""
-    from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+    from sisrl.common.models import build_tiny_policy, load_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_policy")
     tokenizer = load_tokenizer()

@@ -7,9 +7,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from sisrl.common.models import load_tokenizer
 from sisrl.services.agent import AgentLimits, Rollout, SearchR1Protocol, run_agent
 from sisrl.services.engines.base import Generation, SamplingParams
-from sisrl.services.policy_models import load_tokenizer
 from sisrl.services.retrieval_client import Passage, RetrievalClient
 from sisrl.services.scripted import ScriptedEngine, ScriptRule
 

@@ -12,10 +12,10 @@ from typing import TypeVar
 
 import pytest
 import torch
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.sampling import sample_tokens
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -14,12 +14,12 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_server import ServerSettings, create_app
 from sisrl.services.engines.vllm_http import VLLMHttpEngine, parse_completion, parse_topk
 from sisrl.services.engines.vllm_inproc import from_ranked_logprobs
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
 from transformers import LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import torch
+from sisrl.common.models import load_tokenizer
 from sisrl.services.agent import SearchR1Protocol
-from sisrl.services.policy_models import load_tokenizer
 from transformers import AutoModelForCausalLM
 
 TEMPERATURE = 0.7

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sisrl.common.models import load_tokenizer
 from sisrl.services.agent import SearchR1Protocol
-from sisrl.services.policy_models import load_tokenizer
 from sisrl.services.retrieval_client import Passage, RetrievalClient
 
 SEARCH_TURN = "<think>I need to look this up.</think>\n<search>vampire diaries number of seasons</search>"

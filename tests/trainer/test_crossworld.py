@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.trainer.crossworld import main
 from sisrl.trainer.demo_data import write_demo_data
 

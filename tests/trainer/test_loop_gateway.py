@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.trainer.cli import main as cli_main
 from sisrl.trainer.config import config_from_dict
 from sisrl.trainer.demo_data import write_demo_data

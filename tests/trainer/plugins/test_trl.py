@@ -18,7 +18,7 @@ pytest.importorskip("trl", reason="TRL is not installed (pip install 'sisrl[trl]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from datasets import Dataset  # noqa: E402
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer  # noqa: E402
+from sisrl.common.models import build_tiny_policy, load_tokenizer  # noqa: E402
 from sisrl.trainer.plugins.trl import SISGRPOConfig, SISGRPOTrainer, sampled_first  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402

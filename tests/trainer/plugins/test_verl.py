@@ -20,7 +20,7 @@ pytest.importorskip(
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sisrl.trainer.plugins.verl as sis_verl  # noqa: E402
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer  # noqa: E402
+from sisrl.common.models import build_tiny_policy, load_tokenizer  # noqa: E402
 from sisrl.trainer.losses import compute_log_ratio, get_policy_loss  # noqa: E402
 from sisrl.trainer.sis import behaviour_topk, token_and_topk_logprobs, token_in_topk  # noqa: E402
 from tensordict import TensorDict  # noqa: E402

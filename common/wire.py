@@ -12,6 +12,9 @@ ENGINE_PORT = 8001  # `python -m sisrl.services.engines.openai_server`
 GATEWAY_PORT = 8100  # `sisrl-gateway serve`
 RETRIEVER_URL = f"http://{LOOPBACK}:{RETRIEVER_PORT}"
 GATEWAY_URL = f"http://{LOOPBACK}:{GATEWAY_PORT}"
+# Training runs live under this folder (trainer `run_dir` default `runs/run`), and the gateway loads pushed
+# weights only from under its checkpoint root, which defaults to the same folder.
+RUNS_ROOT = "runs"
 
 # Log-probs are floored here (vLLM's OpenAI server uses the same floor): tokens top-p removed carry a finite,
 # JSON-safe value instead of -inf.

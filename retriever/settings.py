@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sisrl.common.wire import RETRIEVER_PORT
 from sisrl.retriever.encoder import DTYPES
 
 MAX_TOPK = 100  # the wire limit on `topk` (issue 3: topk outside 1..100 is a 4xx)
@@ -18,7 +19,7 @@ class Settings(BaseSettings):
 
     index: Path = Field(description="index directory made by `sisrl-retriever build`")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 only inside a container")
-    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    port: int = Field(RETRIEVER_PORT, ge=0, le=65535, description="TCP port")
     encoder: str | None = Field(None, description="encoder model; default: the one recorded in the index manifest")
     dtype: str = Field("auto", description="encoder dtype: auto (bfloat16 only where native: CUDA, or a CPU "
                        "with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")

@@ -29,9 +29,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def _api_token(request: Request) -> SecretStr | None:
-    token = get_state(request).settings.api_token
-    # GatewaySettings still holds the token as a plain str; wrapped here so only SecretStr reaches the check.
-    return SecretStr(token) if isinstance(token, str) else token
+    return get_state(request).settings.api_token
 
 
 # 401 unless the request carries `Authorization: Bearer <api_token>` (no check when no token is set).

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sisrl.common.hardware import DTYPE_NAMES
+from sisrl.common.wire import GATEWAY_PORT, RETRIEVER_URL, RUNS_ROOT
 
 ENGINES = ("local", "vllm-http", "vllm", "scripted")
 
@@ -26,12 +27,15 @@ class GatewaySettings(BaseSettings):
                        "or a CPU with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http)")
     script: Path | None = Field(default=None, description="JSON script of the scripted policy (engine scripted)")
-    retriever_url: str = Field(default="http://127.0.0.1:8000", description="Search-R1 compatible retriever")
+    retriever_url: str = Field(default=RETRIEVER_URL, description="Search-R1 compatible retriever")
     db_url: str = Field(default="sqlite:///gateway.db", description="SQLAlchemy URL of the rollout store")
     host: str = Field(default="127.0.0.1", description="bind address")
-    port: int = Field(default=8100, ge=1, le=65535)
-    api_token: str | None = Field(default=None, description="bearer token for every non-health route (unset = open)")
-    checkpoint_root: Path = Field(default=Path("checkpoints"), description="POST /v1/policy paths must lie under it")
+    port: int = Field(default=GATEWAY_PORT, ge=1, le=65535)
+    api_token: SecretStr | None = Field(default=None,
+                                        description="bearer token for every non-health route (unset = open)")
+    # The trainer pushes RUN_DIR/policy/v<N> with RUN_DIR under `runs/` by default: the same folder, so the
+    # two defaults work together when both start in one working directory.
+    checkpoint_root: Path = Field(default=Path(RUNS_ROOT), description="POST /v1/policy paths must lie under it")
     topk: int = Field(default=3, ge=1, le=50, description="passages per search")
     observation_max_tokens: int = Field(default=512, ge=16, le=8192, description="token budget of one observation")
     max_response_tokens: int = Field(default=2048, ge=16, le=65536, description="response budget per trajectory")
@@ -58,6 +62,6 @@ class GatewaySettings(BaseSettings):
             raise ValueError("script: required with engine 'scripted' (a JSON file, see docs/gateway.md)")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")
-        if self.api_token is not None and len(self.api_token) < 8:
+        if self.api_token is not None and len(self.api_token.get_secret_value()) < 8:
             raise ValueError("api_token: expected at least 8 characters")
         return self

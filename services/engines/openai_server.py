@@ -13,20 +13,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hmac
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import SecretStr
+from sisrl.common.http import RequestMetrics, ServiceMiddleware, bearer_dependency, configure_logging
+from sisrl.common.wire import ENGINE_PORT
 from sisrl.services.engines.base import Generation, SamplingParams
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_schemas import (
@@ -43,7 +45,6 @@ from sisrl.services.engines.openai_schemas import (
 )
 from transformers import PreTrainedTokenizerBase
 
-log = logging.getLogger("sisrl.services.engines.openai_server")
 TOKEN_ENV = "SISRL_ENGINE_API_TOKEN"
 
 
@@ -56,7 +57,7 @@ class ServerSettings:
         default=None, metadata={"help": "model name in responses; unset means the --model value"}
     )
     host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
-    port: int = field(default=8001, metadata={"help": "bind port"})
+    port: int = field(default=ENGINE_PORT, metadata={"help": "bind port"})
     max_batch_size: int = field(default=32, metadata={"help": "most sequences decoded together"})
     max_logprobs: int = field(default=20, metadata={"help": "largest `logprobs` (K) a request may ask for"})
     max_tokens: int = field(default=4096, metadata={"help": "largest `max_tokens` a request may ask for"})
@@ -70,12 +71,13 @@ class ServerSettings:
         default=0, metadata={"help": "torch CPU threads (0: torch's default; 1 on a busy machine)"}
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
-    api_token: str | None = field(
+    max_body_bytes: int = field(default=8 * 2**20, metadata={"help": "request body limit in bytes (413 beyond)"})
+    api_token: SecretStr | None = field(
         default=None, metadata={"help": f"bearer token (CLI: env {TOKEN_ENV} only)"}
     )
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_batch_size", "max_logprobs", "max_tokens"):
+        for name in ("port", "max_batch_size", "max_logprobs", "max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads < 0:
@@ -89,13 +91,8 @@ class ServerSettings:
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "sisrl_engine_requests", "HTTP requests", ["route", "status"], registry=self.registry
-        )
+        self.http = RequestMetrics(self.registry, requests="sisrl_engine_requests", latency="sisrl_engine_request_seconds")
         self.tokens = Counter("sisrl_engine_generated_tokens", "Generated tokens", registry=self.registry)
-        self.latency = Histogram(
-            "sisrl_engine_request_seconds", "Request latency", ["route"], registry=self.registry
-        )
 
 
 def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> FastAPI:
@@ -122,23 +119,10 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
     app.state.metrics = metrics
     app.state.engine = engine
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        rid = request.headers.get("x-request-id", "")[:64] or uuid.uuid4().hex
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        metrics.latency.labels(path).observe(time.perf_counter() - start)
-        response.headers["x-request-id"] = rid
-        log.info(
-            "%s %s -> %d", request.method, request.url.path, response.status_code, extra={"request_id": rid}
-        )
-        return response
-
+    app.add_middleware(ServiceMiddleware, metrics=metrics.http, max_body=settings.max_body_bytes,
+                       limit_setting="max_body_bytes", access_log=logging.getLogger("sisrl.services.engines.access"))
     app.include_router(_health_router())
-    app.include_router(_api_router(), dependencies=[Depends(_require_token)])
+    app.include_router(_api_router(), dependencies=[Depends(bearer_dependency(lambda r: _settings(r).api_token))])
     return app
 
 
@@ -154,14 +138,6 @@ def _settings(request: Request) -> ServerSettings:
 
 EngineDep = Annotated[LocalEngine, Depends(_engine)]
 SettingsDep = Annotated[ServerSettings, Depends(_settings)]
-
-
-def _require_token(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
-    if settings.api_token is None:
-        return
-    given = (authorization or "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), settings.api_token.encode()):
-        raise HTTPException(status_code=401, detail="missing or wrong bearer token")
 
 
 def _health_router() -> APIRouter:
@@ -357,7 +333,8 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
         )
     args = vars(parser.parse_args(argv))
     try:
-        return ServerSettings(**args, api_token=os.environ.get(TOKEN_ENV) or None)
+        token = os.environ.get(TOKEN_ENV)
+        return ServerSettings(**args, api_token=SecretStr(token) if token else None)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -365,10 +342,9 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    configure_logging(settings.log_level)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
+                log_level=settings.log_level)
 
 
 __all__ = ["ServerSettings", "create_app", "main", "parse_args"]

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from pydantic import SecretStr
 from schemathesis.checks import not_a_server_error
 from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
@@ -264,12 +265,16 @@ def test_dead_server_is_a_runtime_error(prompts: list[list[int]]) -> None:
 def test_bearer_token_guards_all_but_health(tiny_policy_dir: Path, prompts: list[list[int]]) -> None:
     async def body() -> None:
         engine = LocalEngine(str(tiny_policy_dir))
-        app = create_app(ServerSettings(model=str(tiny_policy_dir), api_token="s3cret"), engine=engine)
+        settings = ServerSettings(model=str(tiny_policy_dir), api_token=SecretStr("s3cret"), max_body_bytes=1024)
+        app = create_app(settings, engine=engine)
         transport = httpx.ASGITransport(app=app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
                 assert (await client.get("/health")).status_code == 200
-                assert (await client.get("/v1/models")).status_code == 401
+                refused = await client.get("/v1/models")
+                assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+                too_big = await client.post("/v1/completions", content=b"x" * 1025, headers={"Authorization": "Bearer s3cret"})
+                assert too_big.status_code == 413 and "max_body_bytes" in too_big.json()["detail"]
                 good = {"Authorization": "Bearer s3cret"}
                 assert (
                     await client.get("/v1/models", headers={"Authorization": "Bearer nope"})

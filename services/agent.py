@@ -227,14 +227,25 @@ async def _loop(engine: Engine, searcher: Searcher, protocol: SearchR1Protocol, 
         if turn == limits.max_turns - 1:
             return  # no turn left to use an observation: finish_reason stays "max_turns"
         if action is None:
-            rollout.add_inserted(protocol.corrective_ids)
+            if not _insert(rollout, protocol.corrective_ids, limits):
+                return
             continue
-        if not await _search(searcher, protocol, rollout, action[1], clock):
+        if not await _search(searcher, protocol, rollout, action[1], clock, limits):
             return
 
 
+def _insert(rollout: Rollout, ids: list[int], limits: AgentLimits) -> bool:
+    """Append inserted ids when they fit: `max_response_tokens` counts sampled + inserted tokens, so a piece
+    that would pass it is not inserted and the trajectory ends with finish reason `length`."""
+    if len(rollout.response_ids) + len(ids) > limits.max_response_tokens:
+        rollout.finish_reason = "length"
+        return False
+    rollout.add_inserted(ids)
+    return True
+
+
 async def _search(searcher: Searcher, protocol: SearchR1Protocol, rollout: Rollout, query: str,
-                  clock: BusyClock) -> bool:
+                  clock: BusyClock, limits: AgentLimits) -> bool:
     t0 = time.perf_counter()
     try:
         with clock.span("retriever"):
@@ -244,7 +255,8 @@ async def _search(searcher: Searcher, protocol: SearchR1Protocol, rollout: Rollo
         return False
     finally:
         rollout.add_time("retriever_s", time.perf_counter() - t0)
+    if not _insert(rollout, protocol.observation_ids(passages), limits):
+        return False  # the policy never sees these passages, so no search turn is recorded
     rollout.searches.append(SearchTurn(query=query, doc_ids=[p.id for p in passages],
                                        scores=[p.score for p in passages]))
-    rollout.add_inserted(protocol.observation_ids(passages))
     return True

@@ -44,7 +44,9 @@ class Trajectory:
         kept["reward"] = float(kept.get("reward") or 0.0)
         kept["reward_parts"] = {k: float(v) for k, v in (kept.get("reward_parts") or {}).items() if v is not None}
         kept["turns"] = kept.get("turns") or []
-        kept["loss_mask"] = kept.get("loss_mask") or [1] * len(kept.get("response_ids", []))
+        if kept.get("loss_mask") is None:  # never guess: ones would train on the retrieved passages
+            raise ValueError(f"trajectory {kept.get('id')!r}: no loss_mask (1 = policy token, 0 = inserted); "
+                             "refusing to treat every response token as the policy's")
         for key in ("group_id", "item_id", "data_source", "id"):
             kept[key] = str(kept.get(key) or "")
         return Trajectory(**kept)
@@ -109,8 +111,9 @@ _TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_ids",
 
 
 def collate(trajs: list[Trajectory], *, pad_id: int, k: int) -> RolloutBatch:
-    """Pad trajectories into a RolloutBatch. Positions whose recorded top-K is shorter than K (environment
-    tokens) are filled with id 0 / log-prob 0 and always carry mask 0."""
+    """Pad trajectories into a RolloutBatch. Environment tokens (loss mask 0, no top-K recorded) are filled
+    with id 0 / log-prob 0 and carry mask 0. A policy token whose recorded top-K is shorter than `k` is an
+    error: silently masking it would train on nothing when the gateway records fewer log-probs than K."""
     if not trajs:
         raise ValueError("collate needs at least one trajectory")
     b = len(trajs)
@@ -133,7 +136,10 @@ def collate(trajs: list[Trajectory], *, pad_id: int, k: int) -> RolloutBatch:
         resp[i, :n_r] = torch.tensor(tr.response_ids, dtype=torch.long)
         logq[i, :n_r] = torch.tensor(tr.behaviour_logprobs, dtype=torch.float32)
         for t, (ids, lps) in enumerate(zip(tr.topk_ids, tr.topk_logprobs, strict=True)):
-            if len(ids) >= k and tr.loss_mask[t]:
+            if tr.loss_mask[t] and len(ids) < k:
+                raise ValueError(f"trajectory {tr.id}: policy token {t} has a top-K row of {len(ids)} entries, "
+                                 f"fewer than K={k} (algorithm.topk); ask the gateway for logprobs_k >= {k}")
+            if tr.loss_mask[t]:
                 topk_ids[i, t] = torch.tensor(ids[:k], dtype=torch.long)
                 topk_logq[i, t] = torch.tensor(lps[:k], dtype=torch.float32)
                 mask[i, t] = 1.0

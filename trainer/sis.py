@@ -141,9 +141,6 @@ def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: T
         zero = torch.zeros_like(log_w)
         abs_l = torch.where(mask, log_w.abs(), zero)
         rows = mask.any(dim=-1).sum().clamp(min=1)
-        ratio = log_ratio.detach().exp()
-        has = mask.any()
-        inf = torch.full_like(ratio, float("inf"))
         xi = 1.0 - topk_p.sum(dim=-1)
         w = log_w.clamp(max=50.0).exp()  # clamp: an exp overflow must not turn the KL estimate into inf
         return {
@@ -151,9 +148,24 @@ def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: T
             "sis/D": abs_l.sum() / rows,
             "sis/D_sis": torch.where(accepted, zero, abs_l).sum() / rows,
             "sis/xi_k": masked_mean(xi.clamp(min=0.0), mask),
+            **ratio_metrics(log_ratio, mask),
+            "sis/kl_k1": masked_mean(-log_w, mask),
+            "sis/kl_k3": masked_mean(w - 1.0 - log_w, mask),
+        }
+
+
+def ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """`sis/ratio_min|mean|max` of r_t = exp(log_ratio) over unmasked tokens ([B, T] each; 0 when none).
+
+    Called with the ratio the loss uses, whatever the strategy (is / sis / tis / icepop), so an IS ratio that
+    blows up at large staleness shows here.
+    """
+    with torch.no_grad():
+        ratio = log_ratio.detach().exp()
+        has = mask.any()
+        inf = torch.full_like(ratio, float("inf"))
+        return {
             "sis/ratio_min": torch.where(has, torch.where(mask, ratio, inf).amin(), ratio.new_zeros(())),
             "sis/ratio_mean": masked_mean(ratio, mask),
             "sis/ratio_max": torch.where(has, torch.where(mask, ratio, -inf).amax(), ratio.new_zeros(())),
-            "sis/kl_k1": masked_mean(-log_w, mask),
-            "sis/kl_k3": masked_mean(w - 1.0 - log_w, mask),
         }

@@ -30,6 +30,7 @@ from sisrl.trainer.policy import no_grad_sync, response_logits
 from sisrl.trainer.sis import (
     behaviour_topk,
     gather_logprobs,
+    ratio_metrics,
     sis_log_ratio,
     token_and_topk_logprobs,
     token_in_topk,
@@ -134,6 +135,7 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
         # D, D_SIS and the would-be accept rate as diagnostics: same test, not used by this loss.
         metrics.update(sis_log_ratio(logp=logp.detach(), logq=mb.logq, topk_logp=topk_logp, topk_logq=mb.topk_logq,
                                      in_topk=in_topk, mask=mb.mask, generator=generator).metrics)
+        metrics.update(ratio_metrics(ratio.log_ratio, mb.mask.bool()))  # the ratio this loss used, not SIS's
     agg = u.agg_mode()
     with torch.set_grad_enabled(u.algo.entropy_coef > 0):
         entropy = entropy_from_logits(logits, u.chunk_size)  # [b, T]

@@ -58,8 +58,12 @@ def test_turn_and_token_budgets(protocol: SearchR1Protocol, retriever_url: str) 
     # Two searches sampled, one observation: no retrieval is made for a turn that cannot follow.
     assert rollout.finish_reason == "max_turns" and len(rollout.searches) == 1 and len(rollout.turn_texts) == 2
     assert rollout.loss_mask.count(0) == 64 and rollout.error is None
+    # Budget 100 counts sampled + inserted tokens: search (s) + observation (64) + search (s) = 64 + 2s <= 100;
+    # the second observation would pass 100, so it is not inserted and the trajectory ends at "length".
     short = _run(protocol, engine, retriever_url, turns=8, budget=100)
-    assert short.finish_reason == "length" and len(short.response_ids) >= 100
+    s = len(protocol.encode("<search>isle of wight</search>"))
+    assert short.finish_reason == "length" and len(short.response_ids) == 64 + 2 * s <= 100
+    assert short.loss_mask.count(0) == 64 and len(short.searches) == 1
 
 
 class FailingEngine:

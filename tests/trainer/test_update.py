@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,24 @@ def test_rank_shards_cover_the_mini_batch_once(setup: tuple[TrainConfig, Rollout
     real = torch.cat([a[: (4 if r == 0 else 3)] for r, (_, a) in enumerate(shards)])
     assert sorted(real.tolist()) == adv.tolist()
     assert sum(float(s.mask.sum()) for s, _ in shards) == float(mb.mask.sum())
+
+
+@pytest.mark.parametrize("strategy", ["is", "sis"])
+def test_ratio_metrics_describe_the_ratio_the_loss_used(tmp_path: Path, strategy: str) -> None:
+    # Near-greedy samples (temperature 0.05) lie in q's top-K. With q recorded 3 nats below the sampling policy on
+    # every token, at the first update the IS ratio is e^3 ~ 20.09 everywhere, while the SIS test accepts every
+    # token (w_t / M_t = 1 when all of V_K shifts alike) and its ratio is 1. Each strategy logs its own.
+    torch.set_num_threads(1)
+    cfg = synthetic_config(tmp_path, rollout={"prompts_per_step": 2, "samples_per_prompt": 4, "temperature": 0.05},
+                           algorithm={"ratio": strategy, "staleness": 1})
+    model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    trajs = SyntheticSource(model, cfg.rollout, k=8, seed=0, vocab_size=len(tok)).rollouts([], 0, 0)
+    b = collate(trajs, pad_id=int(tok.pad_token_id), k=8)
+    shifted = b.with_behaviour(b.logq - 3.0, b.topk_ids, b.topk_logq - 3.0)
+    out = train_on_batch(replace(_updater(cfg), temperature=0.05),  # pi at the sampling temperature
+                         replace(shifted, rewards=torch.arange(b.size, dtype=torch.float32)),
+                         torch.Generator().manual_seed(0))
+    assert out["sis/accept_rate"] == 1.0  # the SIS test (the loss's, or the diagnostic beside IS)
+    expected = 20.09 if strategy == "is" else 1.0
+    assert out["sis/ratio_min"] == pytest.approx(expected, rel=1e-3)
+    assert out["sis/ratio_max"] == pytest.approx(expected, rel=1e-3)

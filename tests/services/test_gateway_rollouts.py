@@ -40,15 +40,19 @@ def test_token_invariants_on_real_rollouts(local_gateway: Any, tiny_policy_dir: 
         assert traj["prompt_ids"] == protocol.prompt_ids(questions[traj["item_id"]])
         # ids = sampled + inserted: the random policy never emits a valid action, so each inserted piece is
         # exactly the corrective message's ids, one after each turn but the last (max_turns=2).
-        inserted, run_ = [], []
-        for tok, m in zip(traj["response_ids"], traj["loss_mask"], strict=True):
+        inserted, run_, turns = [], [], 0
+        for j, (tok, m) in enumerate(zip(traj["response_ids"], traj["loss_mask"], strict=True)):
             if m == 0:
                 run_.append(tok)
-            elif run_:
-                inserted.append(run_)
-                run_ = []
+            else:
+                turns += j == 0 or traj["loss_mask"][j - 1] == 0  # a sampled run starts: one turn
+                if run_:
+                    inserted.append(run_)
+                    run_ = []
         assert all(piece == protocol.corrective_ids for piece in inserted) and not run_
-        assert len(inserted) == (1 if traj["finish_reason"] == "max_turns" else len(inserted))
+        assert traj["loss_mask"][0] == 1 and 1 <= turns <= 2
+        assert len(inserted) == turns - 1  # one corrective message between two turns, none after the last
+        assert turns == 2 or traj["finish_reason"] != "max_turns"  # max_turns: both turns were used
         for j, m in enumerate(traj["loss_mask"]):
             if m == 0:
                 assert traj["behaviour_logprobs"][j] == 0.0 and traj["topk_ids"][j] == [0] * K

@@ -118,21 +118,34 @@ def _sis_batch(seed: int):
 
 
 def test_gspo_sequence_ratio_and_sis_zeroes_accepted_tokens() -> None:
-    logits, logp, logq, mask, res = _sis_batch(0)
-    adv = torch.tensor([1.0, -1.0, 0.5])
+    """s_i = exp(mean over the sequence's policy tokens of log r_t), log r_t = 0 for SIS-accepted tokens.
+
+    Hand-built batch, B = 2, T = 3, K = 2 (probabilities written out; l_t = log pi(y_t) - log q(y_t)):
+      seq 0, t0: y in V_K, pi/q on V_K = (0.5/0.25, 0.25/0.5) = (2, 0.5), so M = 2 = w: accepted for every u.
+      seq 0, t1: y outside V_K: rejected, l = log(0.1 / 0.2) = -log 2.
+      seq 0, t2: masked (l = log 100 would move every figure below if it counted).
+      seq 1: y outside V_K at all three tokens: l = log 2, log 2, -log 2.
+    SIS: s_0 = exp((0 - log 2) / 2) = 2^-1/2 = 0.70711, s_1 = exp((log 2) / 3) = 2^1/3 = 1.25992,
+         mean 0.98351; accept rate 1 accepted / 5 policy tokens = 0.2.
+    IS:  s_0 = exp((log 2 - log 2) / 2) = 1, s_1 = 2^1/3, mean 1.12996.
+    """
+    ln = math.log
+    logp = torch.tensor([[ln(0.5), ln(0.1), 0.0], [ln(0.4), ln(0.4), ln(0.1)]])
+    logq = torch.tensor([[ln(0.25), ln(0.2), ln(0.01)], [ln(0.2), ln(0.2), ln(0.2)]])
+    topk_logp = torch.tensor([[[ln(0.5), ln(0.25)], [ln(0.4), ln(0.3)], [ln(0.4), ln(0.3)]]] * 2)
+    topk_logq = torch.tensor([[[ln(0.25), ln(0.5)], [ln(0.4), ln(0.3)], [ln(0.4), ln(0.3)]]] * 2)
+    in_topk = torch.tensor([[True, False, False], [False, False, False]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -1.0])
+    res = compute_log_ratio("sis", logp=logp, logq=logq, mask=mask, topk_logp=topk_logp, topk_logq=topk_logq,
+                            in_topk=in_topk, generator=torch.Generator().manual_seed(0))
+    assert res.metrics["sis/accept_rate"].item() == pytest.approx(0.2, abs=1e-7)
     _, metrics = get_policy_loss("gspo")(log_ratio=res.log_ratio, advantages=adv, mask=mask)
-    # s_i = exp(mean over the sequence's tokens of log r_t), with log r_t = 0 for SIS-accepted tokens.
-    log_w = (logp - logq).detach()
-    accepted = torch.tensor(res.metrics["sis/accept_rate"].item() > 0)
-    assert accepted
-    kept = torch.where(res.log_ratio.detach() == 0, torch.zeros_like(log_w), log_w) * mask
-    expect = (kept.sum(-1) / mask.sum(-1)).exp().mean()
-    torch.testing.assert_close(metrics["gspo/seq_ratio_mean"], expect, rtol=1e-6, atol=1e-7)
+    expect = (2 ** -0.5 + 2 ** (1 / 3)) / 2
+    assert metrics["gspo/seq_ratio_mean"].item() == pytest.approx(expect, rel=1e-6)
     plain = compute_log_ratio("is", logp=logp, logq=logq, mask=mask)
     _, plain_metrics = get_policy_loss("gspo")(log_ratio=plain.log_ratio, advantages=adv, mask=mask)
-    expect_plain = ((log_w * mask).sum(-1) / mask.sum(-1)).exp().mean()
-    torch.testing.assert_close(plain_metrics["gspo/seq_ratio_mean"], expect_plain, rtol=1e-6, atol=1e-7)
-    assert not torch.isclose(expect, expect_plain)
+    assert plain_metrics["gspo/seq_ratio_mean"].item() == pytest.approx((1 + 2 ** (1 / 3)) / 2, rel=1e-6)
 
 
 def test_gspo_gradient_is_sequence_ratio_times_grad_logp() -> None:

@@ -1,8 +1,8 @@
 """The one typed configuration of `sisrl-train` (YAML, validated by pydantic at start, never mutated).
 
-Every field has a default and a one-line description (`sisrl-train train --help-config` prints them all).
+Every field has a default and a one-line description (`sisrl-train config` prints them all).
 Unknown keys and bad values raise `ConfigError` naming the dotted key (`algorithm.staleness: ...`).
-Derived sizes (rollout batch, mini-batch size) are computed by `derived_sizes`, never written back.
+Derived sizes (rollout batch, mini-batch size) are computed where they are used, never written back.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from sisrl.common.wire import GATEWAY_URL, MAX_LOGPROBS_K
 
 
 class ConfigError(ValueError):
@@ -45,14 +46,16 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     source: Literal["gateway", "synthetic"] = Field(default="gateway", description="'gateway' (HTTP rollouts) or 'synthetic' (in-process toy task for tests and bench)")
-    gateway_url: str = Field(default="http://127.0.0.1:8300", description="base URL of the rollout gateway")
-    api_token: str | None = Field(default=None, description="bearer token for the gateway, if it requires one")
+    gateway_url: str = Field(default=GATEWAY_URL, description="base URL of the rollout gateway")
+    api_token: SecretStr | None = Field(default=None, description="bearer token for the gateway, if it requires one "
+                                        "(never written out: config.json and checkpoints show it as **********)")
     prompts_per_step: int = Field(default=4, ge=1, description="questions per rollout batch")
     samples_per_prompt: int = Field(default=4, ge=1, description="trajectories per question (the GRPO group size)")
     max_new_tokens: int = Field(default=128, ge=1, description="generated tokens per turn at most")
     max_turns: int = Field(default=2, ge=1, description="search turns per trajectory at most")
     temperature: float = Field(default=1.0, gt=0, description="sampling temperature (the trainer evaluates pi_theta at the same temperature)")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass for sampling")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass for sampling; must be 1.0 with gateway "
+                         "rollouts (pi is evaluated at the temperature only, on the full vocabulary)")
     timeout_s: float = Field(default=1800.0, gt=0, description="seconds to wait for one rollout batch")
     poll_interval_s: float = Field(default=0.5, gt=0, description="seconds between batch status polls")
     synthetic_response_len: int = Field(default=8, ge=1, description="synthetic source: generated tokens per response")
@@ -62,7 +65,7 @@ class RolloutConfig(_Section):
 class AlgorithmConfig(_Section):
     loss: Literal["grpo", "dapo", "gspo", "grpo_noclip"] = Field(default="grpo", description="policy loss registered in trainer/losses.py")
     ratio: Literal["is", "sis", "tis", "icepop"] = Field(default="sis", description="importance ratio strategy")
-    topk: int = Field(default=20, ge=1, description="K: size of the behaviour top-K set V_K (also the logprobs the gateway records)")
+    topk: int = Field(default=20, ge=1, le=MAX_LOGPROBS_K, description=f"K: size of the behaviour top-K set V_K (also the logprobs the gateway records; at most {MAX_LOGPROBS_K})")
     behaviour: Literal["rollout", "recompute"] = Field(default="rollout", description="where q comes from: engine-recorded log-probs, or a no-grad forward of the rollout weights")
     staleness: int = Field(default=4, ge=1, description="N: mini-batch updates per rollout batch")
     clip_low: float | None = Field(default=None, ge=0, description="PPO clip epsilon below 1 (None = the loss's default: 0.2; gspo 3e-4)")
@@ -139,16 +142,16 @@ class TrainConfig(_Section):
             raise ValueError("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2")
         if self.algorithm.icepop_low >= self.algorithm.icepop_high:
             raise ValueError("algorithm.icepop_low must be below algorithm.icepop_high")
+        if self.rollout.source == "gateway" and self.rollout.top_p < 1.0:
+            # q recorded by the engine is the top-p truncated distribution, while the trainer computes pi at the
+            # temperature only over the whole vocabulary: every l_t would be off by log(kept mass). Refuse.
+            raise ValueError(f"rollout.top_p={self.rollout.top_p}: gateway rollouts need top_p 1.0, because the "
+                             "engine's recorded q is top-p truncated and the trainer's pi is not, so every "
+                             "importance ratio would be off by the kept probability mass")
         if self.rollout.source == "gateway" and not self.data.train and not self.sft.runs:
             raise ValueError("data.train must list at least one file when rollout.source is 'gateway' "
                              "(or sft.runs, for a config that only warm-starts)")
         return self
-
-
-def derived_sizes(cfg: TrainConfig) -> dict[str, int]:
-    """Sizes computed from the config (never stored in it): rollout batch and mini-batch size."""
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    return {"rollout_batch": batch, "minibatch": batch // cfg.algorithm.staleness}
 
 
 def _format_errors(err: ValidationError, where: str) -> str:
@@ -196,7 +199,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 
 def describe_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every field, sections expanded: the --help-config table."""
+    """(dotted key, default, description) for every field, sections expanded: the `sisrl-train config` table."""
     rows: list[tuple[str, str, str]] = []
     for name, field in model.model_fields.items():
         ann = field.annotation

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.config import RolloutConfig
 from sisrl.trainer.data import QAItem
@@ -28,7 +29,9 @@ class GatewayError(RuntimeError):
 
 
 class GatewayClient:
-    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, *, token: str | SecretStr | None = None, timeout_s: float = 60.0) -> None:
+        if isinstance(token, SecretStr):
+            token = token.get_secret_value()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
 

@@ -48,8 +48,6 @@ def test_the_trainers_pushed_weights_lie_under_the_gateways_checkpoint_root(monk
     assert pushed.is_relative_to(root)
 
 
-@pytest.mark.xfail(strict=True, reason="trainer/config.py RolloutConfig.gateway_url and "
-                   "trainer/configs/nq_hotpotqa_qwen3b_gpu.yaml still say port 8300 (owned by another change)")
 def test_trainer_talks_to_the_gateways_default_port() -> None:
     assert RolloutConfig.model_fields["gateway_url"].default == wire.GATEWAY_URL
     for path in sorted(CONFIGS.glob("*.yaml")):

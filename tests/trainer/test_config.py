@@ -10,7 +10,6 @@ from sisrl.trainer.config import (
     ConfigError,
     TrainConfig,
     config_from_dict,
-    derived_sizes,
     describe_fields,
     load_config,
 )
@@ -45,11 +44,28 @@ def test_overrides_are_typed_and_checked(tmp_path: Path) -> None:
     path.write_text("rollout:\n  source: synthetic\n")
     cfg = load_config(path, ["algorithm.staleness=8", "optim.lr=1e-5", "algorithm.dynamic_sampling=true"])
     assert (cfg.algorithm.staleness, cfg.optim.lr, cfg.algorithm.dynamic_sampling) == (8, 1e-5, True)
-    assert derived_sizes(cfg) == {"rollout_batch": 16, "minibatch": 2}
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(path, ["algorithm.staleness"])
     with pytest.raises(ConfigError, match=r"algorithm\.staleness: Input should be a valid integer"):
         load_config(path, ["algorithm.staleness=many"])
+
+
+def test_contract_rules_are_checked_at_load() -> None:
+    train = {"data": {"train": [{"path": "t.jsonl"}]}}
+    with pytest.raises(ConfigError, match=r"rollout\.top_p=0\.9: gateway rollouts need top_p 1\.0"):
+        config_from_dict({**train, "rollout": {"top_p": 0.9}})
+    assert config_from_dict({"rollout": {"source": "synthetic", "top_p": 0.9}}).rollout.top_p == 0.9
+    with pytest.raises(ConfigError, match=r"algorithm\.topk: Input should be less than or equal to 100"):
+        config_from_dict({**train, "algorithm": {"topk": 101}})
+    from sisrl.common.wire import GATEWAY_URL
+
+    assert config_from_dict(train).rollout.gateway_url == GATEWAY_URL == "http://127.0.0.1:8100"
+
+
+def test_the_api_token_is_never_written_out() -> None:
+    cfg = config_from_dict({"data": {"train": [{"path": "t.jsonl"}]}, "rollout": {"api_token": "s3cret-token"}})
+    assert cfg.rollout.api_token is not None and cfg.rollout.api_token.get_secret_value() == "s3cret-token"
+    assert "s3cret-token" not in cfg.model_dump_json() and "s3cret-token" not in str(cfg.model_dump(mode="json"))
 
 
 def test_config_is_frozen() -> None:

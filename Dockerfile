@@ -12,10 +12,12 @@ WORKDIR /app
 # The CPU wheel of torch first (the default PyPI wheel pulls CUDA libraries the image does not need).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<3"
 COPY pyproject.toml README.md ./
+# Every part's folder is copied (one package list), but only the retriever's dependencies are installed.
+COPY common ./common
 COPY retriever ./retriever
 COPY services ./services
 COPY trainer ./trainer
-RUN pip install .
+RUN pip install '.[retriever]'
 
 # Unprivileged user; /data holds corpus and index, /cache the converted offline encoder.
 RUN useradd --create-home --uid 1000 sisrl && mkdir -p /data /cache && chown sisrl /data /cache

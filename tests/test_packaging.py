@@ -1,0 +1,91 @@
+"""Install by part: the `retriever` extra (the Docker image's install) pulls nothing of the trainer, and it
+provides every third-party module the retriever and `sisrl.common` import. Read from the installed metadata
+of sisrl and of each dependency, so no second environment is built."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER_ONLY = {"trl", "matplotlib", "tensorboard", "gguf"}
+
+
+def installed(name: str) -> md.Distribution | None:
+    # The source tree may hold a stale `sisrl.egg-info` (a setuptools build artifact) that would shadow the
+    # installed metadata when the checkout is on sys.path, so the checkout is left out of the search.
+    path = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    return next(iter(md.distributions(name=name, path=path)), None)
+
+
+def requirements(dist: md.Distribution, extras: set[str]) -> list[Requirement]:
+    """`dist`'s requirements that apply with `extras` on this platform."""
+    out = []
+    for text in dist.requires or []:
+        req = Requirement(text)
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+            out.append(req)
+    return out
+
+
+def closure(extras: set[str]) -> set[str]:
+    """Canonical names of every distribution `pip install 'sisrl[EXTRAS]'` pulls in, transitively."""
+    seen: dict[str, set[str]] = {}
+    stack: list[tuple[str, set[str]]] = [("sisrl", extras)]
+    while stack:
+        name, wanted = stack.pop()
+        key = canonicalize_name(name)
+        if key in seen and wanted <= seen[key]:
+            continue
+        seen[key] = seen.get(key, set()) | wanted
+        dist = installed(name)
+        if dist is None:  # not installed here (e.g. a platform-only extra): a leaf
+            continue
+        stack.extend((req.name, set(req.extras)) for req in requirements(dist, wanted))
+    return set(seen) - {"sisrl"}
+
+
+def third_party_imports(*folders: str) -> set[str]:
+    """Top-level names of the non-stdlib, non-sisrl modules that files under `folders` import (ast scan)."""
+    names: set[str] = set()
+    for folder in folders:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("sisrl", "__future__")}
+
+
+def test_installed_metadata_has_the_extras_of_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    dist = installed("sisrl")
+    assert dist is not None, "sisrl is not installed: run `make install`"
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert set(dist.metadata.get_all("Provides-Extra") or []) == declared, \
+        "the installed sisrl metadata is stale: run `make install` (or `pip install --no-deps -e .`)"
+    assert {"retriever", "gateway", "trainer", "all"} <= declared
+
+
+def test_retriever_extra_pulls_nothing_of_the_trainer() -> None:
+    assert closure({"retriever"}) & TRAINER_ONLY == set()
+    assert TRAINER_ONLY - {"trl"} <= closure({"trainer"})  # the check can see them when they are pulled
+    assert {"trl"} | closure({"all"}) <= closure({"dev"})  # `make install` (dev) still installs everything
+
+
+def test_retriever_extra_provides_every_module_the_retriever_imports() -> None:
+    provided = closure({"retriever"})
+    providers = md.packages_distributions()
+    missing = {}
+    for module in sorted(third_party_imports("retriever", "common")):
+        dists = {canonicalize_name(d) for d in providers.get(module, [])}
+        if not dists & provided:
+            missing[module] = sorted(dists) or ["(not installed)"]
+    assert missing == {}, "add these to the base or the retriever extra in pyproject.toml"

@@ -15,6 +15,8 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER_ONLY = {"trl", "matplotlib", "tensorboard", "gguf"}
+# trainer/plugins run inside these frameworks, which the user installs (the `trl` extra, docs/plugins.md).
+PLUGIN_FRAMEWORKS = {"trl", "verl", "ray"}
 
 
 def installed(name: str) -> md.Distribution | None:
@@ -80,12 +82,15 @@ def test_retriever_extra_pulls_nothing_of_the_trainer() -> None:
     assert {"trl"} | closure({"all"}) <= closure({"dev"})  # `make install` (dev) still installs everything
 
 
-def test_retriever_extra_provides_every_module_the_retriever_imports() -> None:
-    provided = closure({"retriever"})
+@pytest.mark.parametrize(("extra", "folders"), [("retriever", ("retriever", "common")),
+                                               ("gateway", ("services", "common")),
+                                               ("trainer", ("trainer", "common"))])
+def test_each_extra_provides_every_module_its_part_imports(extra: str, folders: tuple[str, ...]) -> None:
+    provided = closure({extra})
     providers = md.packages_distributions()
     missing = {}
-    for module in sorted(third_party_imports("retriever", "common")):
+    for module in sorted(third_party_imports(*folders) - PLUGIN_FRAMEWORKS):
         dists = {canonicalize_name(d) for d in providers.get(module, [])}
         if not dists & provided:
             missing[module] = sorted(dists) or ["(not installed)"]
-    assert missing == {}, "add these to the base or the retriever extra in pyproject.toml"
+    assert missing == {}, f"add these to the base or the {extra} extra in pyproject.toml"

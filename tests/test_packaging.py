@@ -94,3 +94,14 @@ def test_each_extra_provides_every_module_its_part_imports(extra: str, folders: 
         if not dists & provided:
             missing[module] = sorted(dists) or ["(not installed)"]
     assert missing == {}, f"add these to the base or the {extra} extra in pyproject.toml"
+
+
+def test_every_package_folder_is_listed_for_setuptools() -> None:
+    """A non-editable install (the Docker image) ships only the listed packages."""
+    tomllib = pytest.importorskip("tomllib")
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {f"sisrl.{name}": folder for name, folder in
+               ((k.removeprefix("sisrl."), v) for k, v in tool["package-dir"].items())}
+    found = {name + "".join("." + part for part in init.parent.relative_to(ROOT / folder).parts)
+             for name, folder in folders.items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert found == set(tool["packages"])

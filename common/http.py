@@ -21,7 +21,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar, cast
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+T = TypeVar("T")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -147,6 +148,16 @@ async def _send_json(send: Send, code: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": code,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def app_state(name: str, kind: type[T]) -> Callable[[Request], T]:
+    """A dependency returning `request.app.state.<name>` (set by `create_app` or its lifespan) as a `kind`."""
+
+    def get(request: Request) -> T:
+        return cast(T, getattr(request.app.state, name))
+
+    get.__name__ = f"get_{name}"
+    return get
 
 
 _bearer = HTTPBearer(auto_error=False, description="the service's API token (when one is set)")

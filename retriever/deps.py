@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
-from sisrl.common.http import bearer_dependency
+from fastapi import Depends
+from sisrl.common.http import app_state, bearer_dependency
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.service import RetrievalService
 from sisrl.retriever.settings import Settings
 
-
-def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
-
-
-def get_service(request: Request) -> RetrievalService:
-    service: RetrievalService = request.app.state.service
-    return service
-
-
-def get_metrics(request: Request) -> Metrics:
-    metrics: Metrics = request.app.state.metrics
-    return metrics
+get_settings = app_state("settings", Settings)
+get_service = app_state("service", RetrievalService)
+get_metrics = app_state("metrics", Metrics)
 
 
 # When `api_token` is set, demand `Authorization: Bearer <token>` (sisrl.common.http).

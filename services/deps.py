@@ -7,14 +7,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from pydantic import SecretStr
-from sisrl.common.http import bearer_dependency
+from sisrl.common.http import app_state, bearer_dependency
 from sisrl.services.state import GatewayState
 from sqlalchemy.orm import Session
 
-
-def get_state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
+get_state = app_state("gateway", GatewayState)
 
 
 StateDep = Annotated[GatewayState, Depends(get_state)]

@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
-from sisrl.common.http import bearer_dependency
+from fastapi import Depends
+from sisrl.common.http import app_state, bearer_dependency
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_server.metrics import EngineMetrics
 from sisrl.services.engines.openai_server.settings import ServerSettings
 
-
-def get_engine(request: Request) -> LocalEngine:
-    engine: LocalEngine = request.app.state.engine
-    return engine
-
-
-def get_settings(request: Request) -> ServerSettings:
-    settings: ServerSettings = request.app.state.settings
-    return settings
-
-
-def get_metrics(request: Request) -> EngineMetrics:
-    metrics: EngineMetrics = request.app.state.metrics
-    return metrics
+get_engine = app_state("engine", LocalEngine)
+get_settings = app_state("settings", ServerSettings)
+get_metrics = app_state("metrics", EngineMetrics)
 
 
 EngineDep = Annotated[LocalEngine, Depends(get_engine)]

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from sisrl.common.models import load_tokenizer
 from sisrl.services.agent import INFO_CLOSE, INFO_OPEN
-from sisrl.services.policy_models import load_tokenizer
 from sisrl.services.scripted import ScriptedEngine, load_script
 from sisrl.trainer.demo_data import teacher_script
 

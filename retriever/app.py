@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from sisrl.common.http import ServiceMiddleware
+from sisrl.common.openapi import fit_openapi
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.routes import health, metrics, retrieve
 from sisrl.retriever.searcher import SearcherOptions, open_searcher
@@ -64,6 +65,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(retrieve.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
+    fit_openapi(app, token_set=settings.api_token is not None)
     app.add_middleware(ServiceMiddleware, metrics=metrics_registry.http, max_body=settings.max_body_bytes,
                        limit_setting="max_body_bytes", access_log=logging.getLogger("sisrl.retriever.access"))
     return app

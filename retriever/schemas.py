@@ -3,19 +3,32 @@ which verl's SearchTool and SkyRL's search env also send and parse (DESIGN.md, "
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sisrl.retriever.settings import MAX_TOPK
 
 
 class RetrieveRequest(BaseModel):
     """`{"queries": [str], "topk": int, "return_scores": bool}`; `{"query": str}` (one query) is accepted too."""
 
-    model_config = ConfigDict(extra="ignore")  # clients add fields of their own (e.g. request ids)
+    # extra="ignore": clients add fields of their own (e.g. request ids).
+    # Exactly one of `queries` / `query` (the `oneOf` below puts the rule in the schema). Neither is nullable:
+    # absent means "not given", an explicit null is a 422 like any other wrong type.
+    # strict: a 0 is not a bool and "3" not an int (the schema's types are the accepted ones, see _integral_number).
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"oneOf": [
+        {"required": ["queries"], "not": {"required": ["query"]}},
+        {"required": ["query"], "not": {"required": ["queries"]}},
+    ]})
 
-    queries: list[str] | None = Field(None, min_length=1, description="queries, answered in order")
-    query: str | None = Field(None, description="a single query, instead of `queries`")
+    queries: list[str] = Field(None, min_length=1, description="queries, answered in order")  # type: ignore[arg-type]
+    query: str = Field(None, description="a single query, instead of `queries`")  # type: ignore[assignment]
     topk: int | None = Field(None, ge=1, le=MAX_TOPK, description="passages per query; default: server setting")
     return_scores: bool = Field(False, description="wrap each passage as {document, score}")
+
+    @field_validator("topk", mode="before")
+    @classmethod
+    def _integral_number(cls, value: object) -> object:
+        # JSON Schema's `integer` includes 3.0; strict mode alone would refuse it
+        return int(value) if isinstance(value, float) and value.is_integer() else value
 
     @model_validator(mode="after")
     def _one_form(self) -> RetrieveRequest:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,3 +17,22 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "corpus" / "wiki_passages.jsonl").is_file():
         pytest.skip(f"shared data not found at {SHARED_DATA} (a clone outside this workplace)")
     return SHARED_DATA
+
+
+def run_schemathesis(openapi_url: str, *, token: str | None = None, examples: int = 40, seed: int = 1,
+                     base_url: str | None = None) -> str:
+    """`schemathesis run --checks all` against a live server's OpenAPI document (the CLI a user runs);
+    fails the test with schemathesis' own report unless every check passes. Returns the report.
+    `base_url`: the server, when `openapi_url` is a file."""
+    command = [str(Path(sys.executable).with_name("schemathesis")), "run", "--checks", "all",
+               "--max-examples", str(examples), "--seed", str(seed), "--no-color", openapi_url]
+    if token is not None:
+        command[2:2] = ["-H", f"Authorization: Bearer {token}"]
+    if base_url is not None:
+        command[2:2] = ["--url", base_url]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=110)
+    report = done.stdout + done.stderr
+    if done.returncode != 0:
+        pytest.fail(f"schemathesis found failures on {openapi_url} (token: {token is not None}):\n"
+                    f"{report[-6000:]}", pytrace=False)
+    return report

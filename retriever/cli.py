@@ -156,13 +156,14 @@ def run_build(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from sisrl.common.http import configure_logging
     from sisrl.retriever.app import create_app
     from sisrl.retriever.manifest import MANIFEST_FILE
     from sisrl.retriever.settings import Settings
 
     values = {k: v for k, v in vars(args).items() if k not in ("command", "corpus")}
     settings = Settings(**values)
-    logging.getLogger().setLevel(settings.log_level.upper())
+    configure_logging(settings.log_level)  # one JSON line per record, with the request id (sisrl.common.http)
     corpus: Path | None = getattr(args, "corpus", None)
     if corpus is not None and not (settings.index / MANIFEST_FILE).is_file():
         print(f"no index in {settings.index}: building one from {corpus}", file=sys.stderr)
@@ -174,7 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+                log_config=None, access_log=False)
     return 0
 
 

@@ -123,7 +123,8 @@ def run_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir / old, ignore_errors=True)  # the demo starts fresh every time
     (workdir / "rollouts.db").unlink(missing_ok=True)
     policy, data, index = prepare(workdir, args.encoder, args.seed)
-    overrides = [f"run_dir={workdir / 'run'}", f"data.train=[{{path: {data['train']}}}]", f"data.eval=[{data['test']}]",
+    train_files = f"[{{path: {data['train_nq']}, weight: 1.0}}, {{path: {data['train_hotpotqa']}, weight: 2.0}}]"
+    overrides = [f"run_dir={workdir / 'run'}", f"data.train={train_files}", f"data.eval=[{data['test']}]",
                  f"sft.runs=[{TEACHER_RUN}]", *args.overrides]
     cfg = load_config(args.config, overrides)
     retriever = launch_retriever(index_dir=index, corpus=data["corpus"], encoder=args.encoder,

@@ -128,8 +128,8 @@ def teacher_script() -> dict[str, object]:
 
 
 def write_demo_data(out: Path, *, seed: int = 0, people: int = 80, towns: int = 20, test_share: float = 0.2) -> dict[str, Path]:
-    """Write corpus.jsonl, train.jsonl, test.jsonl and teacher.json (the scripted teacher) under `out` (temp file
-    + rename); returns their paths."""
+    """Write corpus.jsonl, train.jsonl (and its per-source parts train_nq / train_hotpotqa), test.jsonl and
+    teacher.json (the scripted teacher) under `out` (temp file + rename); returns their paths."""
     town_list, person_list = make_world(seed, people=people, towns=towns)
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.jsonl"
@@ -145,4 +145,7 @@ def write_demo_data(out: Path, *, seed: int = 0, people: int = 80, towns: int = 
     tmp.replace(paths["teacher"])
     write_items(paths["train"], items[n_test:])
     write_items(paths["test"], items[:n_test])
+    for source in ("nq", "hotpotqa"):  # per-source train files: the RL mixture can weight two-hop questions
+        paths[f"train_{source}"] = out / f"train_{source}.jsonl"
+        write_items(paths[f"train_{source}"], [it for it in items[n_test:] if it.data_source == source])
     return paths

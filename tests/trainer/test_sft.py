@@ -12,15 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.cli import main as cli_main
-from sisrl.trainer.config import RolloutConfig, SFTConfig
+from sisrl.trainer.config import RolloutConfig, SFTConfig, config_from_dict
 from sisrl.trainer.data import load_items
 from sisrl.trainer.demo_data import write_demo_data
 from sisrl.trainer.gateway_client import GatewayClient
 from sisrl.trainer.metrics import read_metrics
 from sisrl.trainer.policy import response_logits
 from sisrl.trainer.procs import launch_gateway, launch_retriever, wait_healthy
-from sisrl.trainer.sft import fetch_demonstrations, masked_nll, sft_batch
+from sisrl.trainer.sft import fetch_demonstrations, masked_nll, sft_batch, train_sft
 from sisrl.trainer.sis import gather_logprobs
 from transformers import AutoModelForCausalLM
 
@@ -138,3 +139,48 @@ def test_sft_command_writes_a_policy_the_gateway_can_load(teacher: tuple[Gateway
     loaded = AutoModelForCausalLM.from_pretrained(run_dir / "hf")  # what the local engine does with it
     assert torch.equal(loaded.state_dict()["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
     assert json.loads((run_dir / "sft_state.json").read_text())["steps"] == 2
+
+
+def _first_turn(d: Trajectory) -> Trajectory:
+    """The demonstration up to its first inserted token: the prompt and the first search query."""
+    n = d.loss_mask.index(0) if 0 in d.loss_mask else len(d.loss_mask)
+    return replace(d, response_ids=d.response_ids[:n], loss_mask=d.loss_mask[:n],
+                   behaviour_logprobs=d.behaviour_logprobs[:n], topk_ids=d.topk_ids[:n],
+                   topk_logprobs=d.topk_logprobs[:n])
+
+
+def _shuffled(demos: list[Trajectory]) -> list[Trajectory]:
+    """Each demonstration paired with the next one's question (a derangement)."""
+    return [replace(d, prompt_ids=demos[(i + 1) % len(demos)].prompt_ids) for i, d in enumerate(demos)]
+
+
+def _nll(model: torch.nn.Module, demos: list[Trajectory]) -> float:
+    b = sft_batch(demos, pad_id=0)
+    with torch.no_grad():
+        logp = gather_logprobs(response_logits(model.eval(), b), b.response_ids)
+    return float(masked_nll(logp, b.mask, float(b.mask.sum())))
+
+
+@pytest.mark.timeout(600)  # two 3-step SFT runs of SmolLM2-135M on 2 CPU cores
+def test_warm_start_learns_from_the_questions(teacher: tuple[GatewayClient, Path, dict[str, Path]],
+                                             tmp_path: Path) -> None:
+    """SmolLM2-135M, 3 SFT steps on the teacher's first turns (the query names the person in the question).
+    Trained on the real (question, demonstration) pairs, held-out queries become likely; trained on the same
+    demonstrations paired with the wrong questions, they do not (the names cannot be predicted)."""
+    client, _, _ = teacher
+    demos = sorted(fetch_demonstrations(client, SFTConfig(runs=[TEACHER_RUN]), progress=False),
+                   key=lambda d: d.item_id)  # store order is completion order: fix the split
+    firsts = [_first_turn(d) for d in demos]
+    train, heldout = firsts[:18], firsts[18:]
+    torch.set_num_threads(2)
+    results = {}
+    for name, data in (("paired", train), ("shuffled", _shuffled(train))):
+        cfg = config_from_dict({
+            "run_dir": str(tmp_path / name), "seed": 0, "device": "cpu", "tensorboard": False, "progress": False,
+            "model": {"path": "smollm2-135m-instruct"}, "sft": {"runs": [TEACHER_RUN], "batch_size": 6},
+            "optim": {"lr": 1e-4, "grad_clip": 1.0},
+        })
+        result = train_sft(cfg, demos=data)
+        model = AutoModelForCausalLM.from_pretrained(result.path)
+        results[name] = _nll(model, heldout)
+    assert results["paired"] < results["shuffled"] - 0.5, results

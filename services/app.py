@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from sisrl.common.http import ServiceMiddleware
+from sisrl.common.openapi import fit_openapi
 from sisrl.services.deps import TokenDep
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.routes import batches, health, policy, rollouts, runs
@@ -36,4 +37,5 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(health.metrics_router)
     for module in (rollouts, batches, runs, policy):
         app.include_router(module.router, dependencies=[TokenDep])
+    fit_openapi(app, token_set=settings.api_token is not None)
     return app

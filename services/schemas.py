@@ -28,7 +28,8 @@ class RolloutItem(_Strict):
     id: str = _ID
     question: str = Field(min_length=1, max_length=4096)
     golden_answers: list[str] = Field(min_length=1, max_length=64)
-    data_source: str = Field(min_length=1, max_length=64, description="selects the reward rule (nq, hotpotqa, ...)")
+    data_source: str = Field(min_length=1, max_length=64, description="selects the reward rule (nq, hotpotqa, ...)",
+                             json_schema_extra={"enum": sorted(DEFAULT_SPECS)})
 
     @field_validator("data_source")
     @classmethod

@@ -31,7 +31,10 @@ def get_policy(state: StateDep) -> PolicyPublic:
     return PolicyPublic(policy_version=state.engine.policy_version, path=state.policy_path)
 
 
-@router.post("", response_model=PolicyPublic, summary="Load a checkpoint into the engine")
+@router.post("", response_model=PolicyPublic, summary="Load a checkpoint into the engine",
+             responses={400: {"description": "unusable path, or weights the engine could not load"},
+                        403: {"description": "path outside the gateway's checkpoint root"},
+                        404: {"description": "no checkpoint directory at path"}})
 async def load_policy(body: PolicyUpdate, state: StateDep) -> PolicyPublic:
     target = resolve_checkpoint(state.settings.checkpoint_root, body.path)
     async with state.policy_lock:

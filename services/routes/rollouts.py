@@ -15,6 +15,7 @@ from sisrl.services.schemas import BatchCreated, FinishReason, RolloutCreate, Ro
 from sisrl.services.state import GatewayState
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
+MAX_STEP = 2**62  # steps are stored as 64-bit integers; a larger filter value is a 422, not a database overflow
 log = logging.getLogger(__name__)
 
 
@@ -55,7 +56,10 @@ def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
         store.set_batch_status(session=session, batch_id=batch_id, status=value)
 
 
-@router.post("", response_model=BatchCreated, summary="Submit a batch of rollouts")
+@router.post("", response_model=BatchCreated, summary="Submit a batch of rollouts",
+             responses={409: {"description": "idempotency_key already used for another request"},
+                        413: {"description": "more trajectories than max_pending in one batch"},
+                        429: {"description": "the gateway has max_pending trajectories queued; retry after Retry-After"}})
 async def create_rollouts(body: RolloutCreate, state: StateDep) -> BatchCreated:
     """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work:
     it returns the same batch, and an interrupted batch runs only its missing samples."""
@@ -96,8 +100,8 @@ def _create(state: GatewayState, batch_id: str, body: RolloutCreate, fingerprint
 def list_rollouts(
     session: SessionDep,
     run: Annotated[str | None, Query(max_length=256)] = None,
-    step_min: Annotated[int | None, Query(ge=0)] = None,
-    step_max: Annotated[int | None, Query(ge=0)] = None,
+    step_min: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
+    step_max: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     data_source: Annotated[str | None, Query(max_length=64)] = None,
     reward_min: Annotated[float | None, Query(allow_inf_nan=False)] = None,
     reward_max: Annotated[float | None, Query(allow_inf_nan=False)] = None,

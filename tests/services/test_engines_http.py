@@ -11,10 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
 from pydantic import SecretStr
-from schemathesis.checks import not_a_server_error
 from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
 from sisrl.services.engines.local import LocalEngine
@@ -22,6 +19,8 @@ from sisrl.services.engines.openai_server import ServerSettings, create_app
 from sisrl.services.engines.vllm_http import VLLMHttpEngine, parse_completion, parse_topk
 from sisrl.services.engines.vllm_inproc import from_ranked_logprobs
 from transformers import LlamaForCausalLM
+
+from tests.conftest import run_schemathesis
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -290,18 +289,12 @@ def test_bearer_token_guards_all_but_health(tiny_policy_dir: Path, prompts: list
     asyncio.run(body())
 
 
-def test_schema_fuzz_has_no_server_errors(policy_server: Any) -> None:
-    """Every operation of the live server's OpenAPI schema, bounded examples each: never a 5xx."""
-    schema = schemathesis.openapi.from_url(f"{policy_server.url}/openapi.json")
-    labels = []
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        labels.append(operation.label)
-
-        @given(case=operation.as_strategy())
-        @settings(max_examples=12, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        def call(case: Any) -> None:
-            case.call_and_validate(checks=[not_a_server_error], timeout=60)
-
-        call()
-    assert "POST /v1/completions" in labels and "POST /v1/load_weights" in labels
+def test_schemathesis_all_checks_on_the_policy_server(policy_server: Any) -> None:
+    """`schemathesis run --checks all` over the live server as it starts by default (no token): zero failures,
+    but for positive_data_acceptance: a schema-valid `max_tokens` above the server's `--max-tokens` cap is a 400
+    the schema does not state (the same open gap as the gateway's, issue 15)."""
+    schema = httpx.get(f"{policy_server.url}/openapi.json").json()
+    assert {"/v1/completions", "/v1/load_weights"} <= set(schema["paths"])
+    assert not any("security" in op for item in schema["paths"].values() for op in item.values())
+    run_schemathesis(f"{policy_server.url}/openapi.json", examples=10, phases="examples,fuzzing", seed=2,
+                     exclude=("positive_data_acceptance",))

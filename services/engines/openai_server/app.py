@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from sisrl.common.http import ServiceMiddleware
+from sisrl.common.openapi import fit_openapi
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_server.deps import TokenDep
 from sisrl.services.engines.openai_server.metrics import EngineMetrics
@@ -45,4 +46,5 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
     for module in (completions, weights, models):
         app.include_router(module.router, dependencies=[TokenDep])
     app.include_router(health.metrics_router, dependencies=[TokenDep])
+    fit_openapi(app, token_set=settings.api_token is not None)
     return app

@@ -21,7 +21,9 @@ from transformers import PreTrainedTokenizerBase
 router = APIRouter(prefix="/v1/completions", tags=["completions"])
 
 
-@router.post("", response_model=CompletionResponse)
+@router.post("", response_model=CompletionResponse,
+             responses={400: {"description": "a request the engine cannot serve (e.g. max_tokens above the cap)"},
+                        404: {"description": "`model` names a model this server does not serve"}})
 async def completions(body: CompletionRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
                       response: Response) -> CompletionResponse:
     prompt, params = _to_engine_request(body, engine.tokenizer, settings)

@@ -12,7 +12,10 @@ from sisrl.services.engines.openai_server.settings import ServerSettings
 router = APIRouter(prefix="/v1/load_weights", tags=["weights"])
 
 
-@router.post("", response_model=LoadWeightsResponse)
+@router.post("", response_model=LoadWeightsResponse,
+             responses={400: {"description": "unusable path, or weights that do not fit the model"},
+                        403: {"description": "loading is off, or the path is outside the checkpoint root"},
+                        404: {"description": "no weights at path"}})
 async def load_weights(body: LoadWeightsRequest, engine: EngineDep, settings: SettingsDep) -> LoadWeightsResponse:
     path = _checked_weights_path(body.path, settings)
     try:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sisrl.common.procs import free_port, launch_module, stop_process, wait_healthy
 from sisrl.retriever.encoder import EncoderConfig, load_encoder
 from sisrl.retriever.index import BuildConfig, build_index
 
@@ -63,12 +63,6 @@ TOPICS = [
     ("Rice", "Rice is a cereal grain that is the staple food of more than half the world's people."),
     ("Mona Lisa", "The Mona Lisa is a portrait painted by Leonardo da Vinci, kept in the Louvre."),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def write_corpus(path: Path, passages: list[tuple[str, str]], start_id: int = 0) -> Path:
@@ -120,33 +114,16 @@ class Server:
 def start_server(index: Path, log: Path, *extra: str, timeout: float = 180.0) -> Server:
     """`sisrl-retriever serve` as a subprocess on a free loopback port; returns once /health answers."""
     port = free_port()
-    command = [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--port", str(port),
-               "--log-level", "warning", "--torch-threads", "1", *extra]
     started = time.perf_counter()
-    handle = log.open("wb")
-    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    while time.perf_counter() - started < timeout:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return Server(url, process, time.perf_counter() - started, log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_server(Server(url, process, 0.0, log))
-    raise RuntimeError(f"server did not answer /health within {timeout}s: {log.read_text()[-3000:]}")
+    service = launch_module("retriever", "sisrl.retriever.cli",
+                            ["serve", "--index", str(index), "--port", str(port), "--log-level", "warning",
+                             "--torch-threads", "1", *extra], port=port, log=log)
+    wait_healthy(service, timeout_s=timeout)
+    return Server(service.url, service.process, time.perf_counter() - started, log)
 
 
 def stop_server(server: Server) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    stop_process(server.process)
 
 
 @pytest.fixture(scope="session")

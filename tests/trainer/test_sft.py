@@ -161,7 +161,6 @@ def _nll(model: torch.nn.Module, demos: list[Trajectory]) -> float:
     return float(masked_nll(logp, b.mask, float(b.mask.sum())))
 
 
-@pytest.mark.timeout(600)  # two 3-step SFT runs of SmolLM2-135M on 2 CPU cores
 def test_warm_start_learns_from_the_questions(teacher: tuple[GatewayClient, Path, dict[str, Path]],
                                              tmp_path: Path) -> None:
     """SmolLM2-135M, 3 SFT steps on the teacher's first turns (the query names the person in the question).

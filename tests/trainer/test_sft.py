@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sisrl.services.policy_models import build_tiny_policy, load_tokenizer
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.cli import main as cli_main
 from sisrl.trainer.config import RolloutConfig, SFTConfig, config_from_dict
@@ -183,3 +183,10 @@ def test_warm_start_learns_from_the_questions(teacher: tuple[GatewayClient, Path
         model = AutoModelForCausalLM.from_pretrained(result.path)
         results[name] = _nll(model, heldout)
     assert results["paired"] < results["shuffled"] - 0.5, results
+
+
+def test_a_nan_at_a_masked_position_does_not_leak_into_the_nll() -> None:
+    logp = torch.tensor([[-1.0, float("nan"), -3.0], [float("-inf"), -0.5, 0.0]])  # [B=2, T=3]
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    # hand: -(-1 - 3 - 0.5) / 3 tokens = 1.5
+    assert float(masked_nll(logp, mask, float(mask.sum()))) == pytest.approx(1.5)

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install browser test lint demo bench clean
 
 install: $(STAMP)
 
@@ -21,11 +21,20 @@ $(STAMP): pyproject.toml
 	$(PIP) install ray tensordict omegaconf codetiming orjson
 	touch $(STAMP)
 
+# Headless Chromium for the viewer's browser test (tests/services/test_viewer_browser.py), from Debian's packages;
+# where they cannot be installed (no apt-get, not root) the test skips and says why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+			|| echo "make browser: apt-get could not install chromium; the viewer's browser test will skip"; \
+	else echo "make browser: no chromium + chromedriver and no root apt-get; the viewer's browser test will skip"; fi
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-test: install lint
+test: install lint browser
 	$(PY) -m pytest
 
 demo: install

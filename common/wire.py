@@ -23,10 +23,17 @@ MIN_LOGPROB = -9999.0
 DEFAULT_LOGPROBS_K = 20
 MAX_LOGPROBS_K = 100
 
-# Every field of a trajectory as the gateway serves it (`GET /v1/batches/{id}`, `GET /v1/rollouts/{id}`);
-# the trainer reads a subset under the same names.
+# Every field of a trajectory as the gateway serves it (`GET /v1/batches/{id}`, `GET /v1/rollouts/{id}`, which
+# adds `sis`: the newest SIS record, or null); the trainer reads a subset under the same names.
 TRAJECTORY_FIELDS = (
     "id", "batch_id", "item_id", "group_id", "run", "step", "data_source", "question", "golden_answers",
     "prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "topk_ids", "topk_logprobs", "turns",
     "finish_reason", "answer", "reward", "reward_parts", "policy_version", "timings", "error",
 )
+
+# SIS records (trainer -> gateway, `POST /v1/sis_records`): the trainer's last decision per response token.
+SIS_NOT_POLICY = -1  # loss mask 0: inserted by the environment, counted nowhere
+SIS_REJECTED = 0  # y_t in V_K, failed the accept test u <= w_t / M_t
+SIS_ACCEPTED = 1
+SIS_OUTSIDE = 2  # y_t outside V_K: always rejected
+MAX_SIS_RECORDS = 512  # records per request; `GatewayClient.post_sis_records` splits longer lists

@@ -29,8 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         env = f"SISRL_GATEWAY_{name.upper()}"
         default = "unset" if info.default is None else info.default
         flags = [flag, *_ALIASES.get(name, ())]
-        serve.add_argument(*flags, dest=name, type=_arg_type(info.annotation), default=None,
-                           help=f"{info.description or name} (default: {default}; env {env})")
+        text = f"{info.description or name} (default: {default}; env {env})"
+        if info.annotation is bool:  # a switch: --store-only / --no-store-only (unset: the env or the default)
+            serve.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            serve.add_argument(*flags, dest=name, type=_arg_type(info.annotation), default=None, help=text)
     return parser
 
 
@@ -55,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from sisrl.services.app import create_app
 
     configure_logging(settings.log_level)
-    print(f"sisrl-gateway: serving on http://{settings.host}:{settings.port} (engine {settings.engine})",
-          file=sys.stderr)
+    base = f"http://{settings.host}:{settings.port}"
+    mode = "store-only: no engine" if settings.store_only else f"engine {settings.engine}"
+    print(f"sisrl-gateway: serving on {base} ({mode}); viewer at {base}/ui", file=sys.stderr)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=10)
     return 0

@@ -5,16 +5,18 @@ Field names are the trainer's contract (DESIGN.md "Wire contracts"); change them
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K
+from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K, MAX_SIS_RECORDS
 from sisrl.services.rewards import DEFAULT_SPECS
 
 BatchStatus = Literal["running", "done", "failed", "partial"]
 FinishReason = Literal["answer", "eos", "max_turns", "length", "error"]
 
 _ID = Field(min_length=1, max_length=256)
+MAX_TOKENS = 65536  # the largest max_response_tokens (GatewaySettings): no per-token array is longer
+F32_LIMIT = 3.0e38  # per-token floats are stored as float32 (max ~3.4e38): larger values would become inf
 
 
 class _Strict(BaseModel):
@@ -137,6 +139,14 @@ class TrajectorySummary(BaseModel):
     error: str | None
 
 
+class TrajectoryTexts(BaseModel):
+    """What the viewer shows of a trajectory's tokens, decoded by the gateway's tokenizer."""
+
+    tokenizer: str | None = Field(description="the tokenizer that decoded; null when none is loaded (ids only)")
+    prompt: str | None = Field(description="the prompt decoded as a whole")
+    pieces: dict[str, str] = Field(description="token id -> its text alone, for every response and top-K id")
+
+
 class RolloutPage(BaseModel):
     data: list[TrajectorySummary]
     count: int
@@ -176,6 +186,135 @@ class RunStats(BaseModel):
     count: int
 
 
+class RunSummary(BaseModel):
+    run: str
+    trajectories: int
+    steps: int = Field(description="distinct steps with trajectories")
+    first_step: int
+    last_step: int
+    sis_records: int
+
+
+class RunList(BaseModel):
+    data: list[RunSummary]
+    count: int
+
+
+# ---- SIS records (trainer -> gateway) --------------------------------------------------------------------------
+SisStatus = Literal[-1, 0, 1, 2]
+_F32 = Annotated[float, Field(ge=-F32_LIMIT, le=F32_LIMIT, allow_inf_nan=False)]
+
+
+class SisRecordIn(_Strict):
+    """The trainer's SIS decisions for one trajectory, from its last mini-batch pass: one entry per response
+    token in every array (DESIGN.md, "Selective Importance Sampling")."""
+
+    trajectory_id: str = _ID
+    policy_version: int = Field(ge=0, le=10**9, description="version of pi_theta the decisions were made with")
+    advantage: _F32
+    status: list[SisStatus] = Field(max_length=MAX_TOKENS, description="per response token: 1 accepted, 0 rejected "
+                                    "(in V_K), 2 outside V_K (always rejected), -1 not a policy token (loss mask 0)")
+    ratio: list[_F32] = Field(max_length=MAX_TOKENS, description="value of the ratio used in the loss (1 if accepted)")
+    logp: list[_F32] = Field(max_length=MAX_TOKENS, description="log pi_theta(y_t)")
+    log_m: list[_F32] = Field(max_length=MAX_TOKENS, description="log M_t = log max over V_K of pi_theta / q")
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> SisRecordIn:
+        sizes = {name: len(getattr(self, name)) for name in ("status", "ratio", "logp", "log_m")}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"trajectory {self.trajectory_id!r}: per-token arrays differ in length {sizes}")
+        return self
+
+
+class SisRecordsCreate(_Strict):
+    """`POST /v1/sis_records` body: one record per (trajectory, policy version); a repeated pair replaces."""
+
+    run: str = _ID
+    step: int = Field(ge=0, le=10**9, description="the trainer step of the update that made the decisions")
+    # The limit is checked by the route (413), not here: a 422 would echo every record back.
+    records: list[SisRecordIn] = Field(min_length=1, json_schema_extra={"maxItems": MAX_SIS_RECORDS})
+
+    @field_validator("records")
+    @classmethod
+    def _one_per_version(cls, records: list[SisRecordIn]) -> list[SisRecordIn]:
+        keys = [(r.trajectory_id, r.policy_version) for r in records]
+        if len(set(keys)) != len(keys):
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise ValueError(f"trajectory {dup[0]!r} has two records for policy version {dup[1]}")
+        return records
+
+
+class SisStored(BaseModel):
+    run: str
+    step: int
+    stored: int = Field(description="records written")
+    replaced: int = Field(description="of those, records that replaced one with the same trajectory and version")
+
+
+class SisSummary(BaseModel):
+    """Counts over the policy tokens of one record; l_t = logp - behaviour_logprobs (log pi - log q)."""
+
+    accepted: int
+    rejected: int = Field(description="in V_K, failed the accept test")
+    outside: int = Field(description="outside V_K")
+    d: float = Field(description="D = sum over decided tokens of |l_t|")
+    d_sis: float = Field(description="D_SIS = sum over rejected and outside tokens of |l_t|")
+
+
+class SisRecordPublic(BaseModel):
+    run: str
+    step: int
+    policy_version: int
+    advantage: float
+    status: list[int]
+    ratio: list[float]
+    logp: list[float]
+    log_m: list[float]
+    summary: SisSummary
+
+
+class TrajectoryDetail(Trajectory):
+    """`GET /v1/rollouts/{id}`: the trajectory and its newest SIS record."""
+
+    sis: SisRecordPublic | None = Field(description="the record of the highest policy version; null when none")
+
+
+class SisStepStats(BaseModel):
+    step: int
+    records: int
+    policy_tokens: int = Field(description="decided tokens: accepted + rejected + outside")
+    accepted: int
+    rejected: int
+    outside: int
+    accept_rate: float = Field(description="accepted / policy_tokens (0 when there are none)")
+    d_mean: float = Field(description="mean D per record")
+    d_sis_mean: float = Field(description="mean D_SIS per record")
+
+
+class SisRunStats(BaseModel):
+    run: str
+    data: list[SisStepStats]
+    count: int
+
+
+class TokenCount(BaseModel):
+    token_id: int
+    text: str | None = Field(description="the token decoded alone; null without a tokenizer")
+    accepted: int
+    rejected: int
+    outside: int
+
+
+class SisTokens(BaseModel):
+    """The tokens most often accepted and most often rejected (rejected + outside) in a run (paper, Fig. 5)."""
+
+    run: str
+    records_scanned: int
+    truncated: bool = Field(description="true when only the newest `max_records` records were read")
+    most_accepted: list[TokenCount]
+    most_rejected: list[TokenCount]
+
+
 # ---- policy and health -----------------------------------------------------------------------------------------
 class PolicyUpdate(_Strict):
     path: str = Field(min_length=1, max_length=4096, description="checkpoint directory under the checkpoint root")
@@ -189,6 +328,8 @@ class PolicyPublic(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
-    policy_version: int
-    engine: str
+    policy_version: int | None = Field(description="version loaded in the engine; null when store-only")
+    engine: str = Field(description="the engine, or `store-only` (no engine: stored rollouts and the viewer)")
     inflight_trajectories: int
+    store_only: bool
+    token_required: bool = Field(description="every route but /health and /ui needs `Authorization: Bearer`")

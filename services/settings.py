@@ -20,9 +20,12 @@ class GatewaySettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SISRL_GATEWAY_", extra="forbid")
 
+    store_only: bool = Field(default=False, description="serve the store, its REST API and the viewer with no engine "
+                             "and no model load (generation routes answer 503); only the tokenizer is read")
     engine: str = Field(default="local", description=f"inference engine: one of {ENGINES}")
     model: str = Field(default="smollm2-135m-instruct", description="policy model name, directory or hub id")
-    tokenizer: str | None = Field(default=None, description="tokenizer directory or id (default: the model)")
+    tokenizer: str | None = Field(default=None, description="tokenizer directory or id (default: the model); "
+                                  "store-only reads its tokenizer.json to show token texts")
     dtype: str = Field(default="auto", description="local engine dtype: auto (bfloat16 only where native: CUDA, "
                        "or a CPU with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http)")
@@ -56,9 +59,9 @@ class GatewaySettings(BaseSettings):
             raise ValueError(f"dtype: unknown dtype {self.dtype!r}, expected one of {DTYPE_NAMES}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine: unknown engine {self.engine!r}, expected one of {ENGINES}")
-        if self.engine == "vllm-http" and not self.engine_url:
+        if self.engine == "vllm-http" and not self.engine_url and not self.store_only:  # store-only: no engine
             raise ValueError("engine_url: required with engine 'vllm-http' (e.g. http://127.0.0.1:8001)")
-        if self.engine == "scripted" and self.script is None:
+        if self.engine == "scripted" and self.script is None and not self.store_only:
             raise ValueError("script: required with engine 'scripted' (a JSON file, see docs/gateway.md)")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")

@@ -1,7 +1,8 @@
 """The rollout store: SQLAlchemy over SQLite (WAL) by default, Postgres by URL.
 
 Token arrays are stored as little-endian numpy bytes (int32 ids, uint8 mask, float32 log-probs, top-K as a
-flattened [time, K] block plus K), never as JSON lists. Trajectories are indexed by run, step, data source,
+flattened [time, K] block plus K), never as JSON lists; so are the trainer's SIS records (`sis_records`, one row
+per trajectory and policy version; their functions are in `sis_store`). Trajectories are indexed by run, step, data source,
 reward and finish reason; `seq` (insertion order) is the pagination cursor. Functions are keyword-only.
 """
 
@@ -14,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
-from sisrl.services.schemas import RewardParts, StepStats, Trajectory, TrajectorySummary, Turn
+from sisrl.services.schemas import RewardParts, RunSummary, StepStats, Trajectory, TrajectorySummary, Turn
 from sqlalchemy import (
     JSON,
     DateTime,
@@ -96,6 +97,34 @@ class TrajectoryRow(Base):
     timings: Mapped[dict[str, float]] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class SisRecordRow(Base):
+    """The trainer's SIS decisions for one trajectory under one policy version (int8 status, float32 arrays),
+    with their counts and D / D_SIS precomputed so per-step statistics are SQL aggregates."""
+
+    __tablename__ = "sis_records"
+    __table_args__ = (
+        UniqueConstraint("trajectory_id", "policy_version", name="uq_sis_record"),
+        Index("ix_sis_run_step", "run", "step"),
+    )
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    trajectory_id: Mapped[str] = mapped_column(ForeignKey("trajectories.id"), index=True)
+    run: Mapped[str] = mapped_column(String(256))
+    step: Mapped[int] = mapped_column(Integer)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    advantage: Mapped[float] = mapped_column(Float)
+    status: Mapped[bytes] = mapped_column(LargeBinary)
+    ratio: Mapped[bytes] = mapped_column(LargeBinary)
+    logp: Mapped[bytes] = mapped_column(LargeBinary)
+    log_m: Mapped[bytes] = mapped_column(LargeBinary)
+    accepted: Mapped[int] = mapped_column(Integer)
+    rejected: Mapped[int] = mapped_column(Integer)
+    outside: Mapped[int] = mapped_column(Integer)
+    d: Mapped[float] = mapped_column(Float)
+    d_sis: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now, onupdate=_now)
 
 
 def open_db(url: str) -> sessionmaker[Session]:
@@ -189,9 +218,9 @@ def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: in
     session.add(TrajectoryRow(
         id=t.id, batch_id=t.batch_id, item_id=t.item_id, sample_index=sample_index, group_id=t.group_id,
         run=t.run, step=t.step, data_source=t.data_source, question=t.question, golden_answers=t.golden_answers,
-        prompt_ids=_pack(t.prompt_ids, np.int32), response_ids=_pack(t.response_ids, np.int32),
-        loss_mask=_pack(t.loss_mask, np.uint8), behaviour_logprobs=_pack(t.behaviour_logprobs, np.float32),
-        topk_k=k, topk_ids=_pack(t.topk_ids, np.int32), topk_logprobs=_pack(t.topk_logprobs, np.float32),
+        prompt_ids=pack(t.prompt_ids, np.int32), response_ids=pack(t.response_ids, np.int32),
+        loss_mask=pack(t.loss_mask, np.uint8), behaviour_logprobs=pack(t.behaviour_logprobs, np.float32),
+        topk_k=k, topk_ids=pack(t.topk_ids, np.int32), topk_logprobs=pack(t.topk_logprobs, np.float32),
         turns=[turn.model_dump() for turn in t.turns], num_searches=len(t.turns), response_len=len(t.response_ids),
         finish_reason=t.finish_reason, answer=t.answer, reward=t.reward, em=t.reward_parts.em,
         f1=t.reward_parts.f1, format=t.reward_parts.format, policy_version=t.policy_version,
@@ -201,25 +230,25 @@ def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: in
     return True
 
 
-def _pack(values: Sequence[Any], dtype: type[np.generic]) -> bytes:
+def pack(values: Sequence[Any] | np.ndarray, dtype: type[np.generic]) -> bytes:
     return np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
-def _unpack(raw: bytes, dtype: type[np.generic]) -> np.ndarray:
+def unpack(raw: bytes, dtype: type[np.generic]) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
 
 
 def to_trajectory(row: TrajectoryRow) -> Trajectory:
     k = row.topk_k
-    topk_ids = _unpack(row.topk_ids, np.int32).reshape(-1, k) if k else np.zeros((0, 0), np.int32)
-    topk_lp = _unpack(row.topk_logprobs, np.float32).reshape(-1, k) if k else np.zeros((0, 0), np.float32)
+    topk_ids = unpack(row.topk_ids, np.int32).reshape(-1, k) if k else np.zeros((0, 0), np.int32)
+    topk_lp = unpack(row.topk_logprobs, np.float32).reshape(-1, k) if k else np.zeros((0, 0), np.float32)
     return Trajectory(
         id=row.id, batch_id=row.batch_id, item_id=row.item_id, group_id=row.group_id, run=row.run,
         step=row.step, data_source=row.data_source, question=row.question, golden_answers=row.golden_answers,
-        prompt_ids=_unpack(row.prompt_ids, np.int32).tolist(),
-        response_ids=_unpack(row.response_ids, np.int32).tolist(),
-        loss_mask=_unpack(row.loss_mask, np.uint8).tolist(),
-        behaviour_logprobs=_unpack(row.behaviour_logprobs, np.float32).tolist(),
+        prompt_ids=unpack(row.prompt_ids, np.int32).tolist(),
+        response_ids=unpack(row.response_ids, np.int32).tolist(),
+        loss_mask=unpack(row.loss_mask, np.uint8).tolist(),
+        behaviour_logprobs=unpack(row.behaviour_logprobs, np.float32).tolist(),
         topk_ids=topk_ids.tolist(), topk_logprobs=topk_lp.tolist(),
         turns=[Turn(**turn) for turn in row.turns], finish_reason=row.finish_reason,  # type: ignore[arg-type]
         answer=row.answer, reward=row.reward, reward_parts=RewardParts(em=row.em, f1=row.f1, format=row.format),
@@ -252,7 +281,7 @@ def get_trajectory(*, session: Session, trajectory_id: str) -> TrajectoryRow | N
 def list_trajectories(
     *, session: Session, run: str | None = None, step_min: int | None = None, step_max: int | None = None,
     data_source: str | None = None, reward_min: float | None = None, reward_max: float | None = None,
-    finish_reason: str | None = None, after_seq: int = 0, limit: int = 100,
+    finish_reason: str | None = None, searched: bool | None = None, after_seq: int = 0, limit: int = 100,
 ) -> tuple[list[TrajectoryRow], int | None]:
     """One page of trajectories in insertion order, and the cursor of the next page (None on the last)."""
     query = select(TrajectoryRow).where(TrajectoryRow.seq > after_seq)
@@ -271,6 +300,8 @@ def list_trajectories(
         query = query.where(col.reward <= reward_max)
     if finish_reason is not None:
         query = query.where(col.finish_reason == finish_reason)
+    if searched is not None:
+        query = query.where(col.num_searches > 0 if searched else col.num_searches == 0)
     rows = list(session.scalars(query.order_by(TrajectoryRow.seq).limit(limit + 1)))
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1].seq
@@ -303,6 +334,21 @@ def run_stats(*, session: Session, run: str) -> list[StepStats]:
         )
         for step, s in sorted(acc.items())
     ]
+
+
+def list_runs(*, session: Session, limit: int = 1000) -> list[RunSummary]:
+    """Runs with stored trajectories, the most recently started first, with their SIS record counts."""
+    col = TrajectoryRow
+    rows = session.execute(
+        select(col.run, func.count(), func.count(func.distinct(col.step)), func.min(col.step), func.max(col.step))
+        .group_by(col.run).order_by(func.min(col.seq).desc()).limit(limit)
+    ).all()
+    sis = dict(session.execute(  # type: ignore[arg-type]
+        select(SisRecordRow.run, func.count()).where(SisRecordRow.run.in_([r[0] for r in rows]))
+        .group_by(SisRecordRow.run)
+    ).all())
+    return [RunSummary(run=run, trajectories=n, steps=steps, first_step=lo, last_step=hi, sis_records=sis.get(run, 0))
+            for run, n, steps, lo, hi in rows]
 
 
 def request_fingerprint(body: dict[str, Any]) -> str:

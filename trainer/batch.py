@@ -78,6 +78,12 @@ class RolloutBatch:
     topk_logq: Tensor  # [B, T, K] behaviour top-K log-probs
     rewards: Tensor  # [B]
     group_ids: tuple[str, ...]  # [B]
+    # Set only on a compacted token view (`compact`): [B, T'] response columns of the per-token fields.
+    positions: Tensor | None = None
+
+    @property
+    def compacted(self) -> bool:
+        return self.positions is not None
 
     @property
     def size(self) -> int:
@@ -94,16 +100,35 @@ class RolloutBatch:
             self,
             **{name: getattr(self, name)[idx] for name in _TENSOR_FIELDS},
             group_ids=tuple(self.group_ids[i] for i in rows),
+            positions=None if self.positions is None else self.positions[idx],
         )
 
     def to(self, device: torch.device) -> RolloutBatch:
-        return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
+        return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS},
+                       positions=None if self.positions is None else self.positions.to(device))
 
     def with_behaviour(self, logq: Tensor, topk_ids: Tensor, topk_logq: Tensor) -> RolloutBatch:
         return replace(self, logq=logq, topk_ids=topk_ids, topk_logq=topk_logq)
 
     def with_mask(self, mask: Tensor) -> RolloutBatch:
         return replace(self, mask=mask)
+
+    def compact(self) -> RolloutBatch:
+        """The per-token fields at the policy's own tokens only, moved left in order: [B, T'] with T' = the most
+        mask-1 tokens of any row (slots past a row's count carry mask 0). Per-token losses, SIS statistics and
+        per-sequence aggregates are unchanged by dropping mask-0 positions. `positions` records the columns; the
+        input fields stay as they are (the forward pass still reads the whole sequence)."""
+        keep = self.mask > 0
+        width = max(int(keep.sum(dim=1).max()), 1)
+        # stable sort on "not kept" puts each row's kept columns first, in their original order
+        cols = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]  # [B, T']
+        k = self.topk_ids.shape[-1]
+        by_k = cols.unsqueeze(-1).expand(-1, -1, k)
+        return replace(
+            self, response_ids=self.response_ids.gather(1, cols), mask=self.mask.gather(1, cols),
+            logq=self.logq.gather(1, cols), topk_ids=self.topk_ids.gather(1, by_k),
+            topk_logq=self.topk_logq.gather(1, by_k), positions=cols,
+        )
 
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",

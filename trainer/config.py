@@ -30,6 +30,11 @@ class ModelConfig(_Section):
     autocast_bf16: bool = Field(default=False, description="run forward passes under bfloat16 autocast (weights stay in `dtype`)")
     gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward to save memory")
     logprob_chunk_size: int | None = Field(default=None, ge=1, description="time steps per chunk when gathering log-probs from logits (None = all at once)")
+    trainable_layers: int | None = Field(default=None, ge=1, description="train only the top this many decoder layers and the final norm; "
+                                         "embeddings and the rest stay frozen (None = every parameter). A CPU-budget "
+                                         "knob: backward then stops at the lowest trainable layer")
+    compact_logits: bool = Field(default=True, description="run the lm_head, log-softmax, top-K and entropy only at the "
+                                 "policy's own tokens (loss mask 1), not at inserted passages; same losses, less work")
 
 
 class DataFile(_Section):
@@ -104,6 +109,8 @@ class SFTConfig(_Section):
     batch_size: int = Field(default=8, ge=1, description="demonstrations per optimizer step (split by optim.micro_batch_size)")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many optimizer steps (None = epochs x batches)")
     lr: float | None = Field(default=None, gt=0, description="peak learning rate of the warm start (None = optim.lr)")
+    trainable_layers: int | None = Field(default=None, ge=1, description="decoder layers the warm start trains, from the top "
+                                         "(None = every parameter; model.trainable_layers applies to RL only)")
 
 
 class DistributedConfig(_Section):
@@ -122,6 +129,11 @@ class TrainConfig(_Section):
     device: str = Field(default="auto", description="'auto' (cuda when available), 'cpu' or 'cuda'")
     tensorboard: bool = Field(default=True, description="also write TensorBoard event files")
     progress: bool = Field(default=True, description="show a progress bar")
+    sis_records: bool = Field(default=True, description="after each update, post every trained trajectory's per-token SIS "
+                              "outcome (accepted / rejected / outside V_K, ratio, log pi, log M_t) to the gateway for "
+                              "its viewer (POST /v1/sis_records); single process only")
+    sis_records_max: int | None = Field(default=None, ge=1, description="post at most this many trajectories' records per "
+                                        "step, a seeded sample (None = all)")
     model: ModelConfig = Field(default=ModelConfig(), description="policy model")
     data: DataConfig = Field(default=DataConfig(), description="training and evaluation data")
     rollout: RolloutConfig = Field(default=RolloutConfig(), description="how trajectories are produced")

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from sisrl.common.wire import GATEWAY_PORT
 from sisrl.trainer.config import TrainConfig, load_config
 from sisrl.trainer.data import load_items
 from sisrl.trainer.demo_data import write_demo_data
@@ -151,8 +152,9 @@ def run_demo(args: argparse.Namespace) -> int:
     say("\n" + summary_table(summary))
     say(f"\nsummary: {path}; plot: {plot}; RL metrics: {workdir / 'run' / 'metrics.jsonl'} "
         f"(sisrl-train plot {workdir / 'run'})")
-    say(f"the rollouts (teacher, RL, evals) are in {workdir / 'rollouts.db'}; serve them with sisrl-gateway serve "
-        f"--model {policy} --db-url sqlite:///{workdir / 'rollouts.db'} and GET /v1/rollouts?run=...")
+    say(f"the rollouts (teacher, RL with each token's SIS decision, evals) are in {workdir / 'rollouts.db'}; look "
+        f"at them token by token with\n  sisrl-gateway serve --store-only --db-url sqlite:///{workdir / 'rollouts.db'}"
+        f"\nthen open http://127.0.0.1:{GATEWAY_PORT}/ui (REST: GET /v1/rollouts?run=...)")
     return 0
 
 

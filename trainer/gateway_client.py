@@ -2,11 +2,13 @@
 
 Wire contract (DESIGN.md, issue 4): `POST /v1/rollouts` -> {batch_id, status}; `GET /v1/batches/{id}` ->
 {status, progress, missing_items, trajectories}; `POST /v1/policy` {path, version}; `GET /health`;
-`GET /v1/rollouts?run=&data_source=&reward_min=&cursor=` -> {data, count, next_cursor}; `GET /v1/rollouts/{id}`.
+`GET /v1/rollouts?run=&data_source=&reward_min=&cursor=` -> {data, count, next_cursor}; `GET /v1/rollouts/{id}`;
+`POST /v1/sis_records` {run, step, records} (issue 13; at most MAX_SIS_RECORDS records a request).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 import httpx
 from pydantic import SecretStr
+from sisrl.common.wire import MAX_SIS_RECORDS
 from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.config import RolloutConfig
 from sisrl.trainer.data import QAItem
@@ -103,8 +106,44 @@ class GatewayClient:
     def push_policy(self, path: Path, version: int) -> dict[str, Any]:
         return self._json("POST", "/v1/policy", json={"path": str(path), "version": version})
 
+    def post_sis_records(self, run: str, step: int, records: list[dict[str, Any]], *,
+                         max_bytes: int = 4 * 2**20) -> None:
+        """Store the per-token SIS decisions of trained trajectories (`POST /v1/sis_records`).
+
+        Each record: {trajectory_id, policy_version, advantage, status, ratio, logp, log_m}, the four arrays one
+        entry per response token (status 1 accepted, 0 rejected, 2 outside V_K, -1 loss mask 0). Sent in
+        requests of at most MAX_SIS_RECORDS records and about `max_bytes` (under the gateway's default 8 MiB
+        body limit). A record stored already for the same trajectory and version is replaced, so after a
+        GatewayError (raised by the first refused request; earlier ones are stored) the same call can be retried."""
+        chunk: list[bytes] = []
+        size = 0
+        for record in records:
+            try:
+                encoded = json.dumps(record, allow_nan=False, default=_plain).encode()
+            except (TypeError, ValueError) as err:  # NaN / inf, or a type JSON has no form for
+                raise ValueError(f"SIS record of trajectory {record.get('trajectory_id')!r}: {err}") from err
+            if chunk and (len(chunk) == MAX_SIS_RECORDS or size + len(encoded) > max_bytes):
+                self._post_sis_chunk(run, step, chunk)
+                chunk, size = [], 0
+            chunk.append(encoded)
+            size += len(encoded) + 1
+        if chunk:
+            self._post_sis_chunk(run, step, chunk)
+
+    def _post_sis_chunk(self, run: str, step: int, encoded: list[bytes]) -> None:
+        # The records are encoded once (to size the chunks); the body is assembled around them.
+        body = b'{"run": %s, "step": %d, "records": [%s]}' % (json.dumps(run).encode(), step, b",".join(encoded))
+        self._json("POST", "/v1/sis_records", content=body, headers={"Content-Type": "application/json"})
+
     def close(self) -> None:
         self.http.close()
+
+
+def _plain(value: Any) -> Any:
+    """numpy / torch arrays and scalars as Python lists and numbers (json.dumps' `default`)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 class GatewaySource:

@@ -32,7 +32,7 @@ from sisrl.trainer.distributed import (
     wrap_model,
 )
 from sisrl.trainer.evaluate import evaluate
-from sisrl.trainer.gateway_client import GatewayClient, GatewaySource
+from sisrl.trainer.gateway_client import GatewayClient, GatewayError, GatewaySource
 from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, table_header, table_row
 from sisrl.trainer.policy import (
     build_optimizer,
@@ -43,7 +43,7 @@ from sisrl.trainer.policy import (
     unwrap,
 )
 from sisrl.trainer.sampling import SyntheticSource
-from sisrl.trainer.update import Updater, train_on_batch
+from sisrl.trainer.update import TokenRecord, Updater, train_on_batch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -128,7 +128,8 @@ def setup(cfg: TrainConfig) -> Session:
         (run_dir / "run_name.txt").unlink(missing_ok=True)  # a fresh run gets a fresh name at the gateway
     updater = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,
                       temperature=cfg.rollout.temperature, chunk_size=cfg.model.logprob_chunk_size,
-                      autocast=cfg.model.autocast_bf16, ref_model=ref_model, rank=ctx.rank, world=ctx.world)
+                      autocast=cfg.model.autocast_bf16, ref_model=ref_model, rank=ctx.rank, world=ctx.world,
+                      compact_logits=cfg.model.compact_logits)
     s = Session(ctx=ctx, run_dir=run_dir, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                 generator=generator, updater=updater, sampler=build_sampler(cfg) if ctx.is_main else None,
                 source=build_source(cfg, model, len(tokenizer)) if ctx.is_main else None, writer=None)
@@ -182,7 +183,10 @@ def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
     trajs = _rollouts(s.ctx, s.source, s.sampler, cfg, s.step, s.version)
     t1 = time.perf_counter()
     b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.topk).to(s.ctx.device)
-    metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator), s.ctx)
+    records: list[TokenRecord] | None = [] if cfg.sis_records and isinstance(s.source, GatewaySource) else None
+    metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator, records), s.ctx)
+    if records:
+        _post_sis_records(cfg, s, trajs, records)
     t2 = time.perf_counter()
     s.step, s.version = s.step + 1, s.version + 1
     _push_weights(cfg, s)
@@ -217,6 +221,24 @@ def _rollouts(ctx: DistContext, source: RolloutSource | None, sampler: MixtureSa
             return trajs
         raw = trajectories_to_bytes(trajs)
     return trajectories_from_bytes(broadcast_bytes(raw, ctx))
+
+
+def _post_sis_records(cfg: TrainConfig, s: Session, trajs: list[Trajectory], records: list[TokenRecord]) -> None:
+    """Per-token SIS outcomes of this step's update, for the viewer (`POST /v1/sis_records`; `sis_records_max`
+    keeps a seeded sample). A refused post is logged and training goes on: the records are diagnostics."""
+    assert isinstance(s.source, GatewaySource)
+    if cfg.sis_records_max is not None and len(records) > cfg.sis_records_max:
+        records = random.Random(f"{cfg.seed}:sis:{s.step}").sample(records, cfg.sis_records_max)
+    body = []
+    for rec in records:
+        traj = trajs[rec.row]
+        n = len(traj.response_ids)
+        body.append({"trajectory_id": traj.id, "policy_version": s.version, "advantage": rec.advantage,
+                     "status": rec.status[:n], "ratio": rec.ratio[:n], "logp": rec.logp[:n], "log_m": rec.log_m[:n]})
+    try:
+        s.source.client.post_sis_records(s.source.run, s.step, body)
+    except (GatewayError, ValueError) as err:
+        log.warning("SIS records of step %d not stored: %s", s.step, err)
 
 
 def _evaluate(cfg: TrainConfig, source: GatewaySource, step: int, version: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 from sisrl.common.tensors import masked_mean
-from sisrl.trainer.sis import sis_log_ratio
+from sisrl.trainer.sis import SISResult, sis_log_ratio
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -24,6 +24,7 @@ class RatioResult(NamedTuple):
     log_ratio: Tensor  # [B, T] log r_t used inside the loss
     weights: Tensor | None  # [B, T] per-token multipliers (IcePop's 0/1 mask), None when unused
     metrics: Metrics
+    sis: SISResult | None = None  # the accept test's per-token outcome (strategy 'sis' only)
 
 
 class PolicyLoss(Protocol):
@@ -95,7 +96,7 @@ def compute_log_ratio(
             logp=logp, logq=logq, topk_logp=topk_logp, topk_logq=topk_logq, in_topk=in_topk, mask=mask,
             generator=generator,
         )
-        return RatioResult(res.log_ratio, None, res.metrics)
+        return RatioResult(res.log_ratio, None, res.metrics, res)
     if strategy == "is":
         return RatioResult(log_w, None, {})
     if strategy == "tis":

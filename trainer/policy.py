@@ -35,6 +35,8 @@ def load_policy(cfg: ModelConfig, *, seed: int, device: torch.device) -> tuple[P
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.trainable_layers is not None:
+        freeze_lower_layers(model, cfg.trainable_layers)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -79,6 +81,8 @@ def response_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = F
     The response occupies the last T columns of `input_ids`; the logit at column c predicts token c + 1, so we
     keep the last T + 1 positions (`logits_to_keep`, the prompt's lm_head is never computed) and drop the last.
     """
+    if batch.compacted:
+        raise ValueError("response_logits needs the batch in its padded layout, not a compacted token view")
     t = batch.response_len
     device = batch.input_ids.device
     with autocast_context(autocast, device):
@@ -92,6 +96,61 @@ def response_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = F
     # [B, T, V] in the model's output dtype: sis.py converts chunk by chunk, so bf16 logits never get a full
     # fp32 copy.
     return out.logits[:, :-1, :]
+
+
+def policy_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = False,
+                  compact: bool = False) -> tuple[Tensor, RolloutBatch]:
+    """Logits of the response tokens and the batch whose per-token fields line up with them.
+
+    `compact=False`: `response_logits` and `batch` itself ([B, T, V]). `compact=True`: only the policy's own
+    tokens (mask 1; in a search trajectory ~1 in 5, the rest are retrieved passages) are kept, moved to the
+    left of each row: logits [B, T', V] with T' the most policy tokens in a row, and `batch.compact()`. The
+    lm_head and every [.., V] pass after it (log-softmax, top-K, entropy) then run on T' instead of T
+    positions. Falls back to the full layout for wrapped models (DDP, FSDP2) and heads that are not a plain
+    projection of the decoder output.
+    """
+    split = _decoder_and_head(model) if compact else None
+    if split is None:
+        return response_logits(model, batch, autocast=autocast), batch
+    decoder, head = split
+    view = batch.compact()
+    assert view.positions is not None
+    t = batch.response_len
+    with autocast_context(autocast, batch.input_ids.device):
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         position_ids=batch.position_ids, use_cache=False).last_hidden_state[:, -t - 1:-1]  # [B, T, H]
+        picked = hidden.gather(1, view.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, T', H]
+        return head(picked), view
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(decoder, lm_head) of a plain causal LM whose logits are exactly head(decoder(x)); None otherwise
+    (a DDP/FSDP wrapper, logit soft-capping or scaling), and the caller then runs the whole model."""
+    if not isinstance(model, PreTrainedModel) or any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return None
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1.0):
+        return None
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head
+
+
+def freeze_lower_layers(model: PreTrainedModel, trainable: int) -> None:
+    """Train only the top `trainable` decoder layers and the final norm; everything else stops needing grad."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"model.trainable_layers={trainable}: {type(model).__name__} has no decoder layer list")
+    if trainable > len(layers):
+        raise ValueError(f"model.trainable_layers={trainable}: the model has only {len(layers)} decoder layers")
+    model.requires_grad_(False)
+    for layer in layers[len(layers) - trainable:]:
+        layer.requires_grad_(True)
+    norm = getattr(decoder, "norm", None)
+    if isinstance(norm, nn.Module):
+        norm.requires_grad_(True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -28,7 +28,7 @@ from sisrl.trainer.policy import (
     build_optimizer,
     build_scheduler,
     load_policy,
-    response_logits,
+    policy_logits,
     save_hf_directory,
 )
 from sisrl.trainer.sis import gather_logprobs
@@ -77,13 +77,14 @@ def masked_nll(logp: Tensor, mask: Tensor, total_tokens: float) -> Tensor:
 
 
 def sft_update(model: nn.Module, b: RolloutBatch, *, micro: int, chunk_size: int | None,
-               autocast: bool) -> tuple[float, float]:
+               autocast: bool, compact: bool = False) -> tuple[float, float]:
     """Forward/backward of one optimizer batch in micro-batches; returns (mean NLL, tokens). No step here."""
     total = float(b.mask.sum())
     loss_sum = 0.0
     for idx in torch.arange(b.size).split(micro):
         mb = b.select(idx)
-        logp = gather_logprobs(response_logits(model, mb, autocast=autocast), mb.response_ids, 1.0, chunk_size)
+        logits, mb = policy_logits(model, mb, autocast=autocast, compact=compact)
+        logp = gather_logprobs(logits, mb.response_ids, 1.0, chunk_size)
         loss = masked_nll(logp, mb.mask, total)  # [B, T] -> scalar
         loss.backward()
         loss_sum += float(loss.detach())
@@ -116,7 +117,8 @@ def train_sft(cfg: TrainConfig, demos: list[Trajectory] | None = None) -> SFTRes
         demos = fetch_demonstrations(client, cfg.sft, seed=cfg.seed, progress=cfg.progress)
     device = pick_device(cfg.device, local_rank=0)  # one process: the warm start is short
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_policy(cfg.model, seed=cfg.seed, device=device)
+    model_cfg = cfg.model.model_copy(update={"trainable_layers": cfg.sft.trainable_layers})
+    model, tokenizer = load_policy(model_cfg, seed=cfg.seed, device=device)
     batches = _batches(len(demos), cfg.sft, cfg.seed)
     optim = cfg.optim if cfg.sft.lr is None else cfg.optim.model_copy(update={"lr": cfg.sft.lr})
     optimizer = build_optimizer(model, optim)
@@ -130,7 +132,8 @@ def train_sft(cfg: TrainConfig, demos: list[Trajectory] | None = None) -> SFTRes
             t0 = time.perf_counter()
             b = sft_batch([demos[i] for i in rows], pad_id=pad_id).to(device)
             nll, tokens = sft_update(model, b, micro=cfg.optim.micro_batch_size or b.size,
-                                     chunk_size=cfg.model.logprob_chunk_size, autocast=cfg.model.autocast_bf16)
+                                     chunk_size=cfg.model.logprob_chunk_size, autocast=cfg.model.autocast_bf16,
+                                     compact=cfg.model.compact_logits)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()

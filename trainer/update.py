@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from sisrl.common.tensors import masked_mean
+from sisrl.common.wire import SIS_ACCEPTED, SIS_NOT_POLICY, SIS_OUTSIDE, SIS_REJECTED
 from sisrl.trainer.advantages import dynamic_sampling_mask, grpo_advantages
 from sisrl.trainer.batch import RolloutBatch
 from sisrl.trainer.config import AlgorithmConfig, OptimConfig
@@ -26,19 +27,58 @@ from sisrl.trainer.losses import (
     get_policy_loss,
     kl_penalty,
 )
-from sisrl.trainer.policy import no_grad_sync, response_logits
+from sisrl.trainer.policy import no_grad_sync, policy_logits, response_logits
 from sisrl.trainer.sis import (
+    SISResult,
     behaviour_topk,
     gather_logprobs,
     ratio_metrics,
     sis_log_ratio,
     token_and_topk_logprobs,
     token_in_topk,
+    topk_in_support,
 )
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 Metrics = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """One trajectory's per-token outcome of its update pass, in the response's own columns ([T] each).
+
+    status: common.wire SIS_* codes (accepted / rejected / outside V_K / not a policy token); with a ratio
+    other than 'sis' it is the would-be decision of the same test, which that loss does not use."""
+
+    row: int  # row of the rollout batch as collated (before dynamic sampling)
+    status: Tensor  # int8
+    ratio: Tensor  # r_t the loss used (0 at non-policy tokens)
+    logp: Tensor  # log pi(y_t) at that pass
+    log_m: Tensor  # log M_t
+    advantage: float
+
+
+def token_records(mb: RolloutBatch, rows: Tensor, adv: Tensor, *, logp: Tensor, log_ratio: Tensor, sis: SISResult,
+                  in_topk: Tensor, width: int) -> list[TokenRecord]:
+    """TokenRecords of a micro-batch; a compacted view is scattered back to the padded response width."""
+    with torch.no_grad():
+        policy = mb.mask.bool()
+        has_vk = topk_in_support(mb.topk_logq).any(dim=-1)
+        status = torch.full(policy.shape, SIS_NOT_POLICY, dtype=torch.int8, device=policy.device)
+        status[policy] = SIS_REJECTED
+        status[policy & ~(in_topk.bool() & has_vk)] = SIS_OUTSIDE
+        status[sis.accepted & policy] = SIS_ACCEPTED
+        fields = {"status": status, "ratio": torch.where(policy, log_ratio.detach().exp(), 0.0),
+                  "logp": torch.where(policy, logp.detach(), 0.0), "log_m": torch.where(policy, sis.log_m, 0.0)}
+        if mb.positions is not None:  # back to the response's own columns
+            for key, value in fields.items():
+                fill = SIS_NOT_POLICY if key == "status" else 0
+                full = torch.full((value.shape[0], width), fill, dtype=value.dtype, device=value.device)
+                fields[key] = full.scatter(1, mb.positions, value)
+        cpu = {key: value.cpu() for key, value in fields.items()}
+        return [TokenRecord(row=int(r), status=cpu["status"][i], ratio=cpu["ratio"][i], logp=cpu["logp"][i],
+                            log_m=cpu["log_m"][i], advantage=float(adv[i])) for i, r in enumerate(rows.tolist())]
 
 
 @dataclass
@@ -54,6 +94,7 @@ class Updater:
     chunk_size: int | None = None
     autocast: bool = False
     ref_model: nn.Module | None = None
+    compact_logits: bool = False  # lm_head and [.., V] passes only at policy tokens (policy.policy_logits)
     rank: int = 0
     world: int = 1
 
@@ -73,8 +114,10 @@ class Updater:
         return str(default)
 
 
-def batch_advantages(b: RolloutBatch, algo: AlgorithmConfig) -> tuple[RolloutBatch, Tensor, Metrics]:
-    """GRPO advantages [B] by group id, then (DAPO) drop groups whose rewards are all equal."""
+def batch_advantages(b: RolloutBatch, algo: AlgorithmConfig) -> tuple[RolloutBatch, Tensor, Metrics, Tensor]:
+    """GRPO advantages [B] by group id, then (DAPO) drop groups whose rewards are all equal. Also returns the
+    rows of `b` that were kept ([B'] long, on the CPU)."""
+    rows = torch.arange(b.size)
     b_adv = grpo_advantages(b.rewards, b.group_ids, norm_by_std=algo.norm_adv_by_std)
     if algo.flip_advantage_sign:
         b_adv = -b_adv
@@ -84,7 +127,8 @@ def batch_advantages(b: RolloutBatch, algo: AlgorithmConfig) -> tuple[RolloutBat
         metrics["rollout/kept_frac"] = keep.float().mean()
         idx = keep.nonzero().squeeze(-1)
         b, b_adv = b.select(idx), b_adv[idx]
-    return b, b_adv, metrics
+        rows = rows[idx.cpu()]
+    return b, b_adv, metrics, rows
 
 
 @torch.no_grad()
@@ -94,7 +138,7 @@ def recompute_behaviour(model: nn.Module, b: RolloutBatch, *, k: int, temperatur
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
     for idx in torch.arange(b.size).split(micro):
         mb = b.select(idx)
-        logits = response_logits(model, mb, autocast=autocast)
+        logits = response_logits(model, mb, autocast=autocast)  # the full layout: q is stored per column
         parts.append(behaviour_topk(logits, mb.response_ids, k, temperature, chunk_size))
     logq, topk_ids, topk_logq = (torch.cat(xs, dim=0) for xs in zip(*parts, strict=True))
     return b.with_behaviour(logq, topk_ids, topk_logq)
@@ -116,10 +160,11 @@ def rank_shard(mb: RolloutBatch, mb_adv: Tensor, rank: int, world: int) -> tuple
 
 
 def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: float, seq_scale: float,
-                generator: torch.Generator) -> tuple[Tensor, Metrics]:
+                generator: torch.Generator, rows: Tensor | None = None) -> tuple[Tensor, Metrics, list[TokenRecord]]:
     """Loss of one micro-batch (scaled so that summing micro-batches and DDP-averaging ranks gives the
-    mini-batch loss) and its detached metrics."""
-    logits = response_logits(u.model, mb, autocast=u.autocast)  # [b, T, V]
+    mini-batch loss), its detached metrics, and its TokenRecords when `rows` (batch rows of mb) is given."""
+    padded = mb
+    logits, mb = policy_logits(u.model, mb, autocast=u.autocast, compact=u.compact_logits)  # [b, T', V]
     logp, topk_logp = token_and_topk_logprobs(logits, mb.response_ids, mb.topk_ids, u.temperature, u.chunk_size)
     in_topk = token_in_topk(mb.response_ids, mb.topk_ids)  # [b, T]
     ratio = compute_log_ratio(
@@ -131,11 +176,15 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
     loss, metrics = loss_fn(log_ratio=ratio.log_ratio, advantages=mb_adv, mask=mb.mask, weights=ratio.weights,
                             global_tokens=global_tokens, dp_size=u.world, **u.loss_kwargs())  # type: ignore[arg-type]
     metrics.update(ratio.metrics)
-    if u.algo.ratio != "sis":
+    sis = ratio.sis
+    if sis is None:
         # D, D_SIS and the would-be accept rate as diagnostics: same test, not used by this loss.
-        metrics.update(sis_log_ratio(logp=logp.detach(), logq=mb.logq, topk_logp=topk_logp, topk_logq=mb.topk_logq,
-                                     in_topk=in_topk, mask=mb.mask, generator=generator).metrics)
+        sis = sis_log_ratio(logp=logp.detach(), logq=mb.logq, topk_logp=topk_logp, topk_logq=mb.topk_logq,
+                            in_topk=in_topk, mask=mb.mask, generator=generator)
+        metrics.update(sis.metrics)
         metrics.update(ratio_metrics(ratio.log_ratio, mb.mask.bool()))  # the ratio this loss used, not SIS's
+    records = [] if rows is None else token_records(mb, rows, mb_adv, logp=logp, log_ratio=ratio.log_ratio, sis=sis,
+                                                    in_topk=in_topk, width=padded.response_len)
     agg = u.agg_mode()
     with torch.set_grad_enabled(u.algo.entropy_coef > 0):
         entropy = entropy_from_logits(logits, u.chunk_size)  # [b, T]
@@ -144,15 +193,15 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
         loss = loss - u.algo.entropy_coef * aggregate(entropy, mb.mask, agg, global_tokens, u.world)
     if u.ref_model is not None and u.algo.kl_coef > 0:
         with torch.no_grad():
-            ref_logp = gather_logprobs(response_logits(u.ref_model, mb, autocast=u.autocast), mb.response_ids,
-                                       u.temperature, u.chunk_size)
+            ref_logits, _ = policy_logits(u.ref_model, padded, autocast=u.autocast, compact=u.compact_logits)
+            ref_logp = gather_logprobs(ref_logits, mb.response_ids, u.temperature, u.chunk_size)
         kl = kl_penalty(logp, ref_logp, u.algo.kl_type)  # [b, T]
         metrics["actor/kl_ref"] = masked_mean(kl.detach(), mb.mask)
         loss = loss + u.algo.kl_coef * aggregate(kl, mb.mask, agg, global_tokens, u.world)
     if agg != "token-mean":
         loss = loss * seq_scale  # seq-mean modes average over the micro-batch: rescale to the mini-batch
     metrics["actor/loss"] = loss.detach()
-    return loss, metrics
+    return loss, metrics, records
 
 
 def _step(u: Updater) -> tuple[Tensor, bool]:
@@ -171,9 +220,13 @@ def _step(u: Updater) -> tuple[Tensor, bool]:
     return norm.detach(), stepped
 
 
-def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
-    """Advantages, optional dynamic sampling and recompute, then N = algo.staleness mini-batch updates."""
-    b, b_adv, batch_metrics = batch_advantages(b, u.algo)
+def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator,
+                   records: list[TokenRecord] | None = None) -> dict[str, float]:
+    """Advantages, optional dynamic sampling and recompute, then N = algo.staleness mini-batch updates.
+    `records`: a list that receives each trained row's TokenRecord (single process only; under torchrun a
+    rank sees only its shard, so nothing is recorded there)."""
+    b, b_adv, batch_metrics, rows = batch_advantages(b, u.algo)
+    record = records is not None and u.world == 1
     if b.size < u.algo.staleness:
         log.warning("only %d sequences left after dynamic sampling: no update this step", b.size)
         return _summarise([batch_metrics], skipped=0, updates=0)
@@ -191,10 +244,13 @@ def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator) -> d
         pieces = torch.arange(shard.size).split(micro)
         for i, idx in enumerate(pieces):
             with no_grad_sync(u.model, enabled=i < len(pieces) - 1):
-                loss, metrics = _micro_loss(u, shard.select(idx), shard_adv[idx], global_tokens=global_tokens,
-                                            seq_scale=idx.numel() * u.world / mb.size, generator=generator)
+                loss, metrics, recs = _micro_loss(u, shard.select(idx), shard_adv[idx], global_tokens=global_tokens,
+                                                  seq_scale=idx.numel() * u.world / mb.size, generator=generator,
+                                                  rows=rows[mb_idx][idx] if record else None)
                 loss.backward()
             all_metrics.append(metrics)
+            if records is not None:
+                records.extend(recs)
         norm, stepped = _step(u)
         skipped += int(not stepped)
         all_metrics.append({"actor/grad_norm": norm, "actor/lr": torch.tensor(u.scheduler.get_last_lr()[0])})

@@ -12,6 +12,7 @@ cached after RoPE, so shifting a row's columns right when it is padded leaves it
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -54,19 +55,66 @@ class KVBatch:
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Add rows for `prompts` (appended after the current rows). Returns their next-token logits [n, V]."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor(
-            [[self.pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long
-        )  # [n, P]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    def prefill(self, prompts: list[list[int]], pasts: list[RowKV | None] | None = None) -> torch.Tensor:
+        """Add rows for `prompts` (appended after the current rows). Returns their next-token logits [n, V].
+
+        `pasts[i]`, when given, is the cached KV of the first `pasts[i].length` tokens of `prompts[i]`
+        (`PrefixCache.take`); only the rest of that prompt runs through the model. Identical (prompt, past)
+        pairs, e.g. the samples of one GRPO group, run once and their rows are copied.
+        """
+        pasts = pasts if pasts is not None else [None] * len(prompts)
+        keys = [(tuple(p), id(past)) for p, past in zip(prompts, pasts, strict=True)]
+        first: dict[tuple[tuple[int, ...], int], int] = {}
+        for key in keys:
+            first.setdefault(key, len(first))
+        uniq = sorted({keys.index(key) for key in first})  # index of each distinct row's first occurrence
+        inverse = torch.tensor([first[key] for key in keys], dtype=torch.long, device=self.device)
+        u_prompts, u_pasts = [prompts[i] for i in uniq], [pasts[i] for i in uniq]
+        cut = [past.length if past is not None else 0 for past in u_pasts]
+        suffix = [p[c:] for p, c in zip(u_prompts, cut, strict=True)]
+        width = max(len(x) for x in suffix)
+        ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in suffix], dtype=torch.long)  # [u, S]
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in suffix], dtype=torch.long)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; pads get 0, real tokens 0..len-1
-        cache = DynamicCache()
+        start = torch.tensor(cut, dtype=torch.long, device=self.device).unsqueeze(-1)  # [u, 1] tokens cached
+        positions = (start + mask.cumsum(-1) - 1).clamp(min=0)  # [u, S]; pads (masked) get start - 1
+        cache, past_mask = self._past_cache(u_pasts)
+        if past_mask is not None:
+            mask = torch.cat([past_mask, mask], dim=-1)  # [u, Lp + S]: pads between past and suffix are masked
         logits = self._forward(ids, mask, positions, cache)
+        if len(uniq) < len(prompts):  # copy the shared rows
+            cache = DynamicCache(ddp_cache_data=[(k[inverse], v[inverse]) for k, v in _kv(cache)])
+            mask, logits = mask[inverse], logits[inverse]
         self._merge(cache, mask)
         return logits
+
+    def _past_cache(self, pasts: list[RowKV | None]) -> tuple[DynamicCache, torch.Tensor | None]:
+        """A cache holding each row's cached prefix, left-padded to the longest, and its mask; empty if none."""
+        length = max((past.length for past in pasts if past is not None), default=0)
+        if length == 0:
+            return DynamicCache(), None
+        ref = next(past for past in pasts if past is not None)
+        layers = []
+        for li, (k_ref, _) in enumerate(ref.layers):
+            shape = (len(pasts), k_ref.shape[0], length, k_ref.shape[-1])
+            keys = torch.zeros(shape, dtype=k_ref.dtype, device=self.device)
+            values = torch.zeros_like(keys)
+            for row, past in enumerate(pasts):
+                if past is not None:
+                    keys[row, :, length - past.length:] = past.layers[li][0]
+                    values[row, :, length - past.length:] = past.layers[li][1]
+            layers.append((keys, values))
+        mask = torch.zeros(len(pasts), length, dtype=torch.long, device=self.device)
+        for row, past in enumerate(pasts):
+            if past is not None:
+                mask[row, length - past.length:] = 1
+        return DynamicCache(ddp_cache_data=layers), mask
+
+    def row_kv(self, row: int) -> RowKV:
+        """The cached keys/values of one row's real tokens (its prompt and every token fed since)."""
+        assert self.cache is not None
+        cols = self.mask[row].bool()
+        return RowKV([(k[row][:, cols].clone(), v[row][:, cols].clone()) for k, v in _kv(self.cache)])
 
     @torch.inference_mode()
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -111,6 +159,67 @@ class KVBatch:
             )
         self.cache = DynamicCache(ddp_cache_data=layers)
         self.mask = torch.cat([_lpad_mask(self.mask, length), _lpad_mask(new_mask, length)])
+
+
+class RowKV:
+    """One sequence's keys and values per layer, each [H, n, D] (n = `length` tokens, no padding)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.layers = layers
+        self.length = int(layers[0][0].shape[1]) if layers else 0
+
+
+class PrefixCache:
+    """KV of finished generations, keyed by the tokens they cover, so a request that continues one (the next
+    turn of an agent: the same prompt and response, then the observation) prefills only its new tokens.
+
+    Bounded by `max_tokens` (oldest out first); an entry is taken (removed) when reused, since each
+    trajectory continues once. `clear()` after a weight swap: a cache computed under other weights is stale.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"prefix cache max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[int, ...], RowKV] = OrderedDict()
+        self._tokens = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, tokens: list[int], kv: RowKV) -> None:
+        if kv.length != len(tokens):
+            raise ValueError(f"prefix cache: {len(tokens)} tokens but KV for {kv.length}")
+        if not self.max_tokens or kv.length > self.max_tokens:
+            return
+        key = tuple(tokens)
+        if key in self._entries:
+            self._tokens -= self._entries.pop(key).length
+        self._entries[key] = kv
+        self._tokens += kv.length
+        while self._tokens > self.max_tokens:
+            self._tokens -= self._entries.popitem(last=False)[1].length
+
+    def take(self, prompt: list[int]) -> RowKV | None:
+        """Remove and return the longest entry that is a proper prefix of `prompt` (at least one new token
+        must remain to produce logits), or None."""
+        best: tuple[int, ...] | None = None
+        for key in self._entries:
+            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
+                best = key
+        if best is None:
+            return None
+        kv = self._entries.pop(best)
+        self._tokens -= kv.length
+        self.hits += 1
+        self.reused_tokens += kv.length
+        return kv
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
 
 
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

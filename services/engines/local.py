@@ -21,7 +21,7 @@ import torch
 from sisrl.common.hardware import resolve_dtype
 from sisrl.common.models import load_tokenizer, resolve_policy_path
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, check_prompt
-from sisrl.services.engines.kv_batch import KVBatch
+from sisrl.services.engines.kv_batch import KVBatch, PrefixCache
 from sisrl.services.engines.sampling import StopChecker, processed_logprobs, sample_tokens, topk_by_rank
 from sisrl.services.engines.weights import check_state, copy_state, read_safetensors
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
@@ -38,6 +38,8 @@ class EngineStats:
     forward_passes: int = 0  # prefill + decode passes of the model
     prefill_passes: int = 0
     max_batch_size: int = 0  # most rows ever decoded together
+    prefix_hits: int = 0  # requests that continued a cached generation
+    prefix_reused_tokens: int = 0  # prompt tokens those requests did not prefill again
 
 
 @dataclass
@@ -83,11 +85,14 @@ class LocalEngine:
         policy_version: int = 0,
         num_threads: int | None = None,
         eos_ids: frozenset[int] | None = None,
+        prefix_cache_tokens: int = 8192,
     ) -> None:
         """`model`: a name (`smollm2-135m-instruct`), an HF directory, or a built model (then pass `tokenizer`).
 
         A built model is used as is (not copied; it may live on any device); `load_weights` writes into it.
         `eos_ids` overrides the ids that end a generation (default: generation config + tokenizer).
+        `prefix_cache_tokens`: KV of finished generations kept (at most this many tokens; 0 = off) so that a
+        request continuing one (an agent's next turn) prefills only its new tokens; cleared on a weight swap.
         `num_threads` sets torch's intra-op threads for the whole process; use 1 on an oversubscribed CPU, where
         threads that wait for a descheduled peer make each small matmul hundreds of times slower.
         """
@@ -115,6 +120,7 @@ class LocalEngine:
         self.eos_ids = eos_ids if eos_ids is not None else _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self._batch = KVBatch(model, pad_id=int(pad))
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sisrl-local-engine")
         self._pending: list[_Slot] = []
         self._active: list[_Slot] = []
@@ -129,7 +135,8 @@ class LocalEngine:
         """A snapshot of the counters."""
         s = self._stats
         return EngineStats(
-            s.requests, s.generated_tokens, self._batch.forward_passes, s.prefill_passes, s.max_batch_size
+            s.requests, s.generated_tokens, self._batch.forward_passes, s.prefill_passes, s.max_batch_size,
+            self.prefix_cache.hits, self.prefix_cache.reused_tokens,
         )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -230,6 +237,7 @@ class LocalEngine:
     async def _apply_swap(self, loop: asyncio.AbstractEventLoop, swap: _Swap) -> None:
         try:
             await loop.run_in_executor(self._executor, copy_state, self.model, swap.state)
+            self.prefix_cache.clear()  # computed under the old weights
         except Exception as exc:
             log.exception("weight swap to version %d failed", swap.version)
             swap.future.set_exception(exc)
@@ -253,7 +261,8 @@ class LocalEngine:
         if admit:
             for slot in admit:
                 slot.version = self.policy_version
-            logits = self._batch.prefill([s.prompt_ids for s in admit])
+            pasts = [self.prefix_cache.take(s.prompt_ids) for s in admit]
+            logits = self._batch.prefill([s.prompt_ids for s in admit], pasts)
             self._active.extend(admit)
             self._stats.prefill_passes += 1
             self._record(admit, logits)
@@ -263,6 +272,10 @@ class LocalEngine:
             self._record(self._active, logits)
         finished = [s for s in self._active if s.finish_reason is not None]
         if finished:
+            if self.prefix_cache.max_tokens:
+                for i, s in enumerate(self._active):
+                    if s.finish_reason is not None:  # its last sampled token was never fed: not in the cache
+                        self.prefix_cache.put(s.prompt_ids + s.token_ids[:-1], self._batch.row_kv(i))
             rows = [i for i, s in enumerate(self._active) if s.finish_reason is None]
             self._batch.keep(rows)
             self._active = [self._active[i] for i in rows]

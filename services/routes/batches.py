@@ -32,7 +32,7 @@ def get_batch(batch_id: str, state: StateDep, session: SessionDep) -> BatchPubli
     for item_id, _ in done:
         have[item_id] = have.get(item_id, 0) + 1
     missing = [item.id for item in request.items if have.get(item.id, 0) < request.samples_per_item]
-    running = state.runner.is_running(batch_id)
+    running = state.is_running(batch_id)
     batch_status = "running" if running else row.status
     trajectories = None
     if batch_status in ("done", "failed"):
@@ -59,15 +59,15 @@ async def stream_batch(batch_id: str, state: StateDep) -> StreamingResponse:
 async def _lines(state: GatewayState, batch_id: str) -> AsyncIterator[bytes]:
     last = 0
     while True:
-        running = state.runner.is_running(batch_id)  # read before the query: no row can slip past the end
+        running = state.is_running(batch_id)  # read before the query: no row can slip past the end
         rows = await run_in_threadpool(_after, state, batch_id, last)
         for seq, line in rows:
             last = seq
             yield line
         if not running:
             return
-        if not rows:
-            await state.runner.wait_change(batch_id, timeout=1.0)
+        if not rows and state.live is not None:
+            await state.live.runner.wait_change(batch_id, timeout=1.0)
 
 
 def _after(state: GatewayState, batch_id: str, last: int) -> list[tuple[int, bytes]]:

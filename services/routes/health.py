@@ -13,8 +13,10 @@ metrics_router = APIRouter(tags=["metrics"], dependencies=[TokenDep])
 
 @router.get("/health", response_model=Health, summary="Liveness and the loaded policy version")
 def health(state: StateDep) -> Health:
-    return Health(status="ok", policy_version=state.engine.policy_version, engine=state.settings.engine,
-                  inflight_trajectories=state.runner.pending)
+    live = state.live
+    return Health(status="ok", policy_version=live.engine.policy_version if live else None,
+                  engine=state.settings.engine if live else "store-only", inflight_trajectories=state.pending,
+                  store_only=live is None, token_required=state.settings.api_token is not None)
 
 
 @metrics_router.get("/metrics", response_model=None, response_class=Response, summary="Prometheus metrics",

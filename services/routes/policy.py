@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, status
-from sisrl.services.deps import StateDep
+from sisrl.services.deps import STORE_ONLY_RESPONSE, LiveDep, StateDep
 from sisrl.services.schemas import PolicyPublic, PolicyUpdate
 
 router = APIRouter(prefix="/v1/policy", tags=["policy"])
@@ -26,23 +26,24 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
     return target
 
 
-@router.get("", response_model=PolicyPublic, summary="The policy version and path loaded in the engine")
-def get_policy(state: StateDep) -> PolicyPublic:
-    return PolicyPublic(policy_version=state.engine.policy_version, path=state.policy_path)
+@router.get("", response_model=PolicyPublic, summary="The policy version and path loaded in the engine",
+            responses=STORE_ONLY_RESPONSE)
+def get_policy(state: StateDep, live: LiveDep) -> PolicyPublic:
+    return PolicyPublic(policy_version=live.engine.policy_version, path=state.policy_path)
 
 
 @router.post("", response_model=PolicyPublic, summary="Load a checkpoint into the engine",
              responses={400: {"description": "unusable path, or weights the engine could not load"},
                         403: {"description": "path outside the gateway's checkpoint root"},
-                        404: {"description": "no checkpoint directory at path"}})
-async def load_policy(body: PolicyUpdate, state: StateDep) -> PolicyPublic:
+                        404: {"description": "no checkpoint directory at path"}, **STORE_ONLY_RESPONSE})
+async def load_policy(body: PolicyUpdate, state: StateDep, live: LiveDep) -> PolicyPublic:
     target = resolve_checkpoint(state.settings.checkpoint_root, body.path)
     async with state.policy_lock:
         try:
-            await state.engine.load_weights(str(target), body.version)
+            await live.engine.load_weights(str(target), body.version)
         except (OSError, ValueError, RuntimeError) as exc:
             raise HTTPException(status.HTTP_400_BAD_REQUEST,
                                 detail=f"could not load {str(target)!r}: {type(exc).__name__}: {exc}") from exc
         state.policy_path = str(target)
         state.metrics.policy_version.set(body.version)
-    return PolicyPublic(policy_version=state.engine.policy_version, path=state.policy_path)
+    return PolicyPublic(policy_version=live.engine.policy_version, path=state.policy_path)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,34 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- the viewer and SIS records: a store of real trajectories, copied per module; store-only gateways over it ---
+
+
+@pytest.fixture(scope="session")
+def viewer_template(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A SQLite store filled once per session by the gateway's batch runner (tests/services/viewer_data.py)."""
+    from tests.services.viewer_data import fill_store
+
+    return fill_store(f"sqlite:///{tmp_path_factory.mktemp('viewer_template') / 'rollouts.db'}")
+
+
+@pytest.fixture(scope="module")
+def viewer_store(viewer_template: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """This module's own copy of the template store (tests that post records do not see each other's)."""
+    source = Path(viewer_template.db_url.removeprefix("sqlite:///"))
+    target = tmp_path_factory.mktemp("viewer_store") / "rollouts.db"
+    for suffix in ("", "-wal", "-shm"):
+        if source.with_name(source.name + suffix).is_file():
+            shutil.copyfile(source.with_name(source.name + suffix), target.with_name(target.name + suffix))
+    return replace(viewer_template, db_url=f"sqlite:///{target}")
+
+
+@pytest.fixture(scope="module")
+def store_only_gateway(start_gateway: GatewayFactory, viewer_store: Any) -> Iterator[Gateway]:
+    """`sisrl-gateway serve --store-only` over this module's store, with a bearer token; stopped after the module."""
+    gateway = start_gateway("--store-only", "--max-request-bytes", "262144", db_url=viewer_store.db_url,
+                            token=GATEWAY_TOKEN)
+    yield gateway
+    gateway.stop()

@@ -351,3 +351,52 @@ def test_cancelled_request_leaves_the_batch(
         return result
 
     assert len(run_engine(model, tokenizer, body).token_ids) == 6
+
+
+def test_a_next_turn_reuses_the_cached_generation_and_still_matches_a_fresh_pass(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    """An agent's second turn (prompt + its first answer + an observation) prefills only the new tokens; two
+    samples of one prompt share one prefill. Every row still matches a fresh forward pass."""
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, stop=(), seed=s, logprobs_k=5) for s in (1, 2, 3)]
+    observation = list(tokenizer.encode("<information>Doc 1: a passage.</information>"))
+    first_turn = [prompts[0], prompts[0], prompts[3]]  # a GRPO group of two, and another question
+
+    async def body(engine: LocalEngine) -> tuple[list[Generation], list[list[int]], list[Generation]]:
+        gens = await asyncio.gather(*[engine.generate(p, q) for p, q in zip(first_turn, params, strict=True)])
+        second = [p + g.token_ids + observation for p, g in zip(first_turn, gens, strict=True)]
+
+        async def later(i: int) -> Generation:
+            await asyncio.sleep(0.01 * i)
+            return await engine.generate(second[i], params[i])
+
+        fresh = engine.generate(prompts[5], params[0])  # no cached prefix: joins the same prefills
+        *gens2, gen_fresh = await asyncio.gather(*[later(i) for i in range(3)], fresh)
+        assert_matches_reference(model, prompts[5], gen_fresh, params[0])
+        stats = engine.stats
+        assert stats.prefix_hits == 3
+        assert stats.prefix_reused_tokens == sum(len(p) + len(g.token_ids) - 1 for p, g in zip(first_turn, gens, strict=True))
+        return list(gens), second, list(gens2)
+
+    gens, second, gens2 = run_engine(model, tokenizer, body)
+    for prompt, gen, q in [*zip(first_turn, gens, params, strict=True), *zip(second, gens2, params, strict=True)]:
+        assert_matches_reference(model, prompt, gen, q)
+
+
+def test_a_weight_swap_empties_the_prefix_cache(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    other = build_tiny_policy(tokenizer, seed=5)
+    other.save_pretrained(tmp_path / "other", safe_serialization=True)
+    engine_model = build_tiny_policy(tokenizer, seed=0)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, stop=(), seed=1, logprobs_k=5)
+
+    async def body(engine: LocalEngine) -> None:
+        gen = await engine.generate(prompts[1], params)
+        assert len(engine.prefix_cache) == 1
+        await engine.load_weights(str(tmp_path / "other"), 1)
+        assert len(engine.prefix_cache) == 0  # KV from the old weights would be stale
+        await engine.generate(prompts[1] + gen.token_ids, params)
+        assert engine.stats.prefix_hits == 0
+
+    run_engine(engine_model, tokenizer, body)

@@ -65,3 +65,13 @@ def test_round_trip_filters_pages_stats(tmp_path: Path) -> None:
         mode = s.connection().exec_driver_sql("PRAGMA journal_mode").scalar()
     assert mode == "wal"
     store.dispose(sessions)
+
+
+def test_sis_records_table_is_portable_to_postgres() -> None:
+    """The same table definition serves Postgres (its DDL here; the routes were also run by hand on Postgres 15)."""
+    from sqlalchemy.dialects import postgresql
+    from sqlalchemy.schema import CreateTable
+
+    ddl = str(CreateTable(store.SisRecordRow.__table__).compile(dialect=postgresql.dialect()))  # type: ignore[arg-type]
+    assert "status BYTEA NOT NULL" in ddl and "UNIQUE (trajectory_id, policy_version)" in ddl
+    assert "FOREIGN KEY(trajectory_id) REFERENCES trajectories (id)" in ddl

@@ -83,6 +83,24 @@ def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Servi
     state = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert state["policy_version"] == 1 and state["sampler"]["drawn"] == 2
 
+    # The trainer posted its per-token SIS outcome of every trained trajectory (sis_records defaults on).
+    run = (run_dir / "run_name.txt").read_text().strip()
+    page = httpx.get(f"{gateway.url}/v1/rollouts", params={"run": run, "limit": 50}).json()
+    ids = [t["id"] for t in page["data"]]
+    assert len(ids) == 4
+    accepted = decided = 0
+    for tid in ids:
+        detail = httpx.get(f"{gateway.url}/v1/rollouts/{tid}").json()
+        sis = detail["sis"]
+        assert sis is not None and sis["policy_version"] == 0, tid
+        assert len(sis["status"]) == len(detail["response_ids"])
+        # -1 exactly at inserted tokens; a decision (accepted 1 / rejected 0 / outside 2) at every policy token
+        assert [s == -1 for s in sis["status"]] == [m == 0 for m in detail["loss_mask"]]
+        accepted += sis["summary"]["accepted"]
+        decided += sis["summary"]["accepted"] + sis["summary"]["rejected"] + sis["summary"]["outside"]
+    assert decided == sum(sum(httpx.get(f"{gateway.url}/v1/rollouts/{t}").json()["loss_mask"]) for t in ids)
+    assert accepted / decided == pytest.approx(row["sis/accept_rate"], abs=0.05)  # means of micro-batches vs pooled
+
 
 def test_eval_exports_a_checkpoint_and_reports_em_per_source(servers: tuple[Path, Path, Service, Path],
                                                              capsys: pytest.CaptureFixture[str]) -> None:

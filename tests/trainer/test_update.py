@@ -107,3 +107,63 @@ def test_ratio_metrics_describe_the_ratio_the_loss_used(tmp_path: Path, strategy
     expected = 20.09 if strategy == "is" else 1.0
     assert out["sis/ratio_min"] == pytest.approx(expected, rel=1e-3)
     assert out["sis/ratio_max"] == pytest.approx(expected, rel=1e-3)
+
+
+def _holey(b: RolloutBatch) -> RolloutBatch:
+    """The batch with every third response position masked out, as inserted observation tokens are."""
+    keep = torch.ones_like(b.mask)
+    keep[:, 1::3] = 0
+    return b.with_mask(b.mask * keep)
+
+
+def test_compact_logits_match_the_full_forward_at_every_policy_token(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    from sisrl.trainer.policy import policy_logits, response_logits
+    from sisrl.trainer.sis import gather_logprobs
+
+    cfg, b = setup
+    b = _holey(b)
+    model, _ = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    logits, view = policy_logits(model, b, compact=True)
+    assert view.compacted and logits.shape[1] == int(b.mask.sum(dim=1).max()) < b.response_len
+    full = gather_logprobs(response_logits(model, b), b.response_ids)[b.mask > 0]
+    compact = gather_logprobs(logits, view.response_ids)[view.mask > 0]
+    torch.testing.assert_close(compact, full, rtol=1e-5, atol=1e-5)  # the same tokens, in the same order
+    with pytest.raises(ValueError, match="padded layout"):
+        response_logits(model, view)
+
+
+def test_an_update_on_compact_logits_moves_the_weights_as_the_full_layout_does(
+        setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    cfg, b = setup
+    b = _holey(b)
+    cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"ratio": "is", "staleness": 1})})
+    after = []
+    for compact in (False, True):
+        u = replace(_updater(cfg), compact_logits=compact)
+        metrics = train_on_batch(u, b, torch.Generator().manual_seed(0))
+        after.append(([p.detach().clone() for p in u.model.parameters()], metrics))
+    (w_full, m_full), (w_compact, m_compact) = after
+    for key in ("actor/loss", "actor/entropy", "actor/grad_norm"):
+        assert m_compact[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-6), key
+    for x, y in zip(w_full, w_compact, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
+def test_trainable_layers_freeze_everything_below_the_top_layers(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    cfg, b = setup
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trainable_layers": 1})})
+    u = _updater(cfg)
+    names = [n for n, p in u.model.named_parameters() if p.requires_grad]
+    assert names and all(n.startswith(("model.layers.1.", "model.norm.")) for n in names), names
+    before = dict((n, p.detach().clone()) for n, p in u.model.named_parameters())
+    train_on_batch(u, b, torch.Generator().manual_seed(0))
+    for n, p in u.model.named_parameters():
+        moved = not torch.equal(p.detach(), before[n])
+        assert moved == (n in names), n
+
+
+def test_trainable_layers_beyond_the_model_is_an_error_naming_both_counts(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    cfg, _ = setup
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trainable_layers": 3})})
+    with pytest.raises(ValueError, match=r"trainable_layers=3: the model has only 2 decoder layers"):
+        load_policy(cfg.model, seed=0, device=torch.device("cpu"))

@@ -49,6 +49,9 @@ def fetch_demonstrations(client: GatewayClient, cfg: SFTConfig, *, seed: int = 0
     summaries = []
     for run in cfg.runs:
         summaries += client.list_rollouts(run=run, data_source=cfg.data_source, reward_min=cfg.reward_min)
+    # A stable order first: the store's is completion order, which varies with timing, and the subset and the
+    # batches drawn from it must be the same in every run with this seed.
+    summaries.sort(key=lambda s: (str(s.get("run")), str(s.get("item_id")), int(s.get("sample_index") or 0), str(s["id"])))
     if cfg.max_trajectories is not None and len(summaries) > cfg.max_trajectories:
         summaries = random.Random(f"{seed}:demonstrations").sample(summaries, cfg.max_trajectories)
     if not summaries:

@@ -38,7 +38,7 @@ def started(viewer_store: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     service.stop()
 
 
-def test_starts_fast_without_torch(started: Any) -> None:
+def test_starts_without_loading_torch_or_a_model(started: Any) -> None:
     service, _seconds = started  # printed, not asserted: a shared CPU makes any bound flaky (README has figures)
     health = httpx.get(f"{service.url}/health").json()
     assert health == {"status": "ok", "policy_version": None, "engine": "store-only", "inflight_trajectories": 0,

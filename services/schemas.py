@@ -5,7 +5,7 @@ Field names are the trainer's contract (DESIGN.md "Wire contracts"); change them
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K, MAX_SIS_RECORDS
@@ -18,6 +18,16 @@ _ID = Field(min_length=1, max_length=256)
 MAX_TOKENS = 65536  # the largest max_response_tokens (GatewaySettings): no per-token array is longer
 F32_LIMIT = 3.0e38  # per-token floats are stored as float32 (max ~3.4e38): larger values would become inf
 
+
+
+def first_repeat(values: list[Any]) -> Any | None:
+    """The first value that occurs twice in `values` (in order of its second occurrence), or None."""
+    seen: set[Any] = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -66,9 +76,8 @@ class RolloutCreate(_Strict):
 
     @model_validator(mode="after")
     def _unique_items(self) -> RolloutCreate:
-        ids = [item.id for item in self.items]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
+        dup = first_repeat([item.id for item in self.items])
+        if dup is not None:
             raise ValueError(f"item ids must be unique within a batch, {dup!r} repeats")
         return self
 
@@ -237,9 +246,8 @@ class SisRecordsCreate(_Strict):
     @field_validator("records")
     @classmethod
     def _one_per_version(cls, records: list[SisRecordIn]) -> list[SisRecordIn]:
-        keys = [(r.trajectory_id, r.policy_version) for r in records]
-        if len(set(keys)) != len(keys):
-            dup = next(k for k in keys if keys.count(k) > 1)
+        dup = first_repeat([(r.trajectory_id, r.policy_version) for r in records])
+        if dup is not None:
             raise ValueError(f"trajectory {dup[0]!r} has two records for policy version {dup[1]}")
         return records
 

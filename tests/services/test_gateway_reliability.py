@@ -112,8 +112,10 @@ def test_kill_restart_resume_and_429(start_gateway: Callable[..., Any], tiny_pol
     gateway.stop(signal.SIGKILL)  # no shutdown hook runs
     restarted = start_gateway(*options, db_url=gateway.db_url)
     client = restarted.client
+    # GET /v1/rollouts/{id} adds `sis` (the trainer's SIS record; none here) to the trajectory fields
     before = {t["id"]: client.get(f"/v1/rollouts/{t['id']}").json()
               for t in client.get("/v1/rollouts", params={"run": "persist"}).json()["data"]}
+    assert all(t.pop("sis") is None for t in before.values())
     batch = client.get(f"/v1/batches/{batch_id}").json()
     assert batch["status"] == "partial" and batch["trajectories"] is None
     assert 1 <= batch["progress"]["done"] == len(before) < 4

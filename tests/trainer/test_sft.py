@@ -118,7 +118,12 @@ def test_loss_counts_only_sampled_tokens(teacher: tuple[GatewayClient, Path, dic
     for i, d in enumerate(demos):
         every[i, : len(d.response_ids)] = 1.0
     assert float(every.sum()) > 2 * float(b.mask.sum())
-    assert abs(float(masked_nll(logp, every, float(every.sum())) - loss)) > 0.01
+    # make the inserted tokens 5 nats less likely: the loss must not move, a loss over every token must
+    inserted = (every > 0) & (b.mask == 0)
+    worse = torch.where(inserted, logp - 5.0, logp)
+    assert float(masked_nll(worse, b.mask, float(b.mask.sum()))) == float(loss)
+    n = float(every.sum())
+    assert float(masked_nll(worse, every, n) - masked_nll(logp, every, n)) > 1.0
 
 
 def test_sft_command_writes_a_policy_the_gateway_can_load(teacher: tuple[GatewayClient, Path, dict[str, Path]]) -> None:

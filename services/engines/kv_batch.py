@@ -64,10 +64,12 @@ class KVBatch:
         """
         pasts = pasts if pasts is not None else [None] * len(prompts)
         keys = [(tuple(p), id(past)) for p, past in zip(prompts, pasts, strict=True)]
-        first: dict[tuple[tuple[int, ...], int], int] = {}
-        for key in keys:
-            first.setdefault(key, len(first))
-        uniq = sorted({keys.index(key) for key in first})  # index of each distinct row's first occurrence
+        first: dict[tuple[tuple[int, ...], int], int] = {}  # distinct (prompt, past) -> its row among the unique
+        uniq: list[int] = []  # index of each distinct row's first occurrence
+        for i, key in enumerate(keys):
+            if key not in first:
+                first[key] = len(uniq)
+                uniq.append(i)
         inverse = torch.tensor([first[key] for key in keys], dtype=torch.long, device=self.device)
         u_prompts, u_pasts = [prompts[i] for i in uniq], [pasts[i] for i in uniq]
         cut = [past.length if past is not None else 0 for past in u_pasts]

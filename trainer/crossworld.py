@@ -61,9 +61,12 @@ def cross_world_eval(args: argparse.Namespace) -> dict[str, float]:
         load_tokenizer().save_pretrained(model)  # the scripted engine needs only the policy's tokenizer
     else:
         model = export_hf(args.checkpoint)
+    db = workdir / "rollouts.db"
+    for stale in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        stale.unlink(missing_ok=True)  # the gateway replays a stored (run, step) batch: start from an empty store
     retriever = launch_retriever(index_dir=index, corpus=data["corpus"], encoder=args.encoder,
                                  log=workdir / "logs" / "retriever.log")
-    gateway = launch_gateway(model=str(model.resolve()), retriever_url=retriever.url, db=workdir / "rollouts.db",
+    gateway = launch_gateway(model=str(model.resolve()), retriever_url=retriever.url, db=db,
                              checkpoint_root=workdir, log=workdir / "logs" / "gateway.log", extra=GATEWAY_OPTIONS,
                              script=data["teacher"] if args.script else None)
     try:

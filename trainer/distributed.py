@@ -117,5 +117,8 @@ def barrier(ctx: DistContext) -> None:
 
 
 def shutdown(ctx: DistContext) -> None:
+    """Leave the process group together: a rank that tears gloo down while a peer still works (saving a
+    checkpoint, say) can make that peer's gloo thread abort ("terminate called without an active exception")."""
     if ctx.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -14,25 +14,28 @@ from sisrl.trainer.demo_data import write_demo_data
 SMALL = ["--people", "15", "--towns", "4", "--encoder", "minilm"]
 
 
-def test_a_policy_that_searches_and_reads_scores_on_an_unseen_world(tmp_path: Path) -> None:
+def test_the_teacher_then_a_checkpoint_on_an_unseen_world(tmp_path: Path) -> None:
     # The scripted teacher knows no world: it reads the question and the passages the retriever returns.
-    assert main(["--script", "--seed", "7", "--workdir", str(tmp_path / "w7"), *SMALL]) == 0
-    result = json.loads((tmp_path / "w7" / "eval.json").read_text())
-    assert result["seed"] == 7 and set(result["em_by_source"]) == {"nq", "hotpotqa"}
-    assert result["em"] >= 0.5 and result["searches_per_traj"] >= 1.0
+    workdir = tmp_path / "w7"
+    assert main(["--script", "--seed", "7", "--workdir", str(workdir), *SMALL]) == 0
+    teacher = json.loads((workdir / "eval.json").read_text())
+    assert teacher["seed"] == 7 and set(teacher["em_by_source"]) == {"nq", "hotpotqa"}
+    assert teacher["em"] >= 0.5 and teacher["searches_per_traj"] >= 1.0
     train_world = write_demo_data(tmp_path / "w0", seed=0, people=15, towns=4)["corpus"].read_text()
-    assert (tmp_path / "w7" / "data" / "corpus.jsonl").read_text() != train_world  # other people, other facts
+    assert (workdir / "data" / "corpus.jsonl").read_text() != train_world  # other people, other facts
 
-
-def test_a_checkpoint_is_evaluated_on_the_other_world(tmp_path: Path) -> None:
+    # A checkpoint on the same world and workdir: the index is reused, the teacher's stored batch is not.
+    index_built = (workdir / "index" / "manifest.json").stat().st_mtime_ns
     ckpt = tmp_path / "ckpt"
     tokenizer = load_tokenizer()
     build_tiny_policy(tokenizer, seed=0).save_pretrained(ckpt, safe_serialization=True)
     tokenizer.save_pretrained(ckpt)
     torch.set_num_threads(1)
-    argv = ["--checkpoint", str(ckpt), "--seed", "3", "--workdir", str(tmp_path / "w3"), "--limit", "3",
+    argv = ["--checkpoint", str(ckpt), "--seed", "7", "--workdir", str(workdir), "--limit", "3",
             "--max-new-tokens", "6", "--max-turns", "1", *SMALL]
     assert main(argv) == 0
-    result = json.loads((tmp_path / "w3" / "eval.json").read_text())
-    assert result["policy"] == str(ckpt) and 0.0 <= result["em"] <= 1.0  # a random tiny policy: no claim on EM
-    assert (tmp_path / "w3" / "index" / "manifest.json").is_file()
+    result = json.loads((workdir / "eval.json").read_text())
+    assert (workdir / "index" / "manifest.json").stat().st_mtime_ns == index_built
+    assert result["policy"] == str(ckpt)
+    # six random tokens in one turn cannot search or answer: a replay of the teacher's batch would
+    assert result["searches_per_traj"] == 0.0 and result["em"] == 0.0, result

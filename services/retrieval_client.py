@@ -4,6 +4,12 @@ Concurrent trajectories call `search(query)`; queries that arrive within `window
 one request of up to `batch_size` queries (the retriever encodes and searches them as one batch). Transport
 errors, timeouts, 429 and 5xx are retried with exponential backoff and jitter; when the retriever stays down
 the caller gets a `RetrievalError` whose message records the last reason.
+
+Several retrievers (the same index behind each): every request goes to the healthy one with the fewest requests
+in flight. One that fails (transport error, timeout, 429, 5xx) is marked down for `down_s` and the request is
+retried at once on another; a down one is probed back (`GET /health`) once its time is up, before it gets
+queries again. Only when every retriever is down does a retry wait out the backoff; a request that fails on
+all of them for `retry.retries + 1` attempts raises `RetrievalError` naming each one's last reason.
 Wire format: DESIGN.md "Wire contracts" (Search-R1 `retrieval_server.py` request/response shapes).
 """
 
@@ -12,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -51,25 +58,55 @@ class RetryPolicy:
         return self.backoff_s * (2**attempt) * (0.5 + random.random())
 
 
+@dataclass
+class Endpoint:
+    """One retriever: its base URL, requests in flight, and until when it is out (`time.monotonic()` seconds)."""
+
+    url: str
+    in_flight: int = 0
+    down_until: float = 0.0
+    failures: int = 0
+    last_error: str = field(default="")
+
+    @property
+    def down(self) -> bool:
+        return self.failures > 0
+
+
+def split_urls(urls: str | Sequence[str]) -> list[str]:
+    """`"http://a:1, http://b:2"` or a list -> base URLs without a trailing slash; an empty list is an error."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    out = [u.strip().rstrip("/") for u in items if u.strip()]
+    if not out:
+        raise ValueError(f"expected at least one retriever URL, got {urls!r}")
+    for url in out:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever URL {url!r} must start with http:// or https://")
+    return out
+
+
 class RetrievalClient:
-    """Async retriever client; one instance per gateway, shared by every trajectory."""
+    """Async client of one or more retrievers; one instance per gateway, shared by every trajectory."""
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         topk: int = 3,
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         batch_size: int = 64,
         window_s: float = 0.002,
+        down_s: float = 5.0,
         on_request: Callable[[str, float], None] | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.endpoints = [Endpoint(u) for u in split_urls(url)]
+        self.url = self.endpoints[0].url  # the first one (kept for callers that know a single retriever)
         self.topk = topk
         self.retry = retry or RetryPolicy()
         self.batch_size = batch_size
         self.window_s = window_s
+        self.down_s = down_s
         self._on_request = on_request
         self._client = httpx.AsyncClient(timeout=timeout_s)
         self._pending: list[tuple[str, asyncio.Future[list[Passage]]]] = []
@@ -109,32 +146,87 @@ class RetrievalClient:
             if not future.done():
                 future.set_result(passages)
 
+    async def _pick(self, tried: set[str]) -> Endpoint | None:
+        """The up endpoint with the fewest requests in flight that this attempt round has not tried; a down one
+        whose time is up is probed first and rejoins when its /health answers. None: nothing left to try now."""
+        now = time.monotonic()
+        for ep in self.endpoints:
+            if ep.down and ep.down_until <= now and ep.url not in tried:
+                if await self._probe(ep):
+                    log.warning("retriever %s is back (its /health answered)", ep.url)
+                    ep.failures, ep.last_error = 0, ""
+                else:
+                    self._mark_down(ep, ep.last_error or "/health did not answer")
+        up = [ep for ep in self.endpoints if not ep.down and ep.url not in tried]
+        return min(up, key=lambda ep: ep.in_flight) if up else None
+
+    def _mark_down(self, ep: Endpoint, reason: str) -> None:
+        """Out for `down_s`, doubled (up to 8x) each time it fails again after its time was up; requests that
+        were in flight when it went down do not extend it."""
+        ep.last_error = reason
+        now = time.monotonic()
+        if ep.down and ep.down_until > now:
+            return
+        ep.failures += 1
+        ep.down_until = now + self.down_s * min(2 ** (ep.failures - 1), 8)
+
+    async def _probe(self, ep: Endpoint) -> bool:
+        try:
+            resp = await self._client.get(f"{ep.url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
     async def search_many(self, queries: list[str]) -> list[list[Passage]]:
-        """One request for all `queries` (retried); one passage list per query, in order."""
+        """One request for all `queries` (retried, on another retriever first); one passage list per query."""
         body = {"queries": queries, "topk": self.topk, "return_scores": True}
-        reason = "no attempt made"
+        reasons: dict[str, str] = {}
+        tried: set[str] = set()
         for attempt in range(self.retry.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.retry.delay(attempt - 1))
-            outcome = "error"
-            try:
-                resp = await self._client.post(f"{self.url}/retrieve", json=body)
-            except httpx.TimeoutException as exc:
-                reason = f"timeout ({type(exc).__name__})"
-            except httpx.TransportError as exc:
-                reason = f"transport error ({type(exc).__name__}: {exc})"
-            else:
-                if resp.status_code == 200:
-                    outcome = "ok"
-                    self._record(outcome, len(queries))
-                    return self._parse(resp.json(), len(queries))
-                reason = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                if resp.status_code < 500 and resp.status_code != 429:
-                    self._record("rejected", len(queries))
-                    raise RetrievalError(f"retriever {self.url} rejected the request: {reason}")
-            self._record(outcome, len(queries))
-            log.warning("retriever attempt %d/%d failed: %s", attempt + 1, self.retry.retries + 1, reason)
-        raise RetrievalError(f"retriever {self.url} unavailable after {self.retry.retries + 1} attempts: {reason}")
+            ep = await self._pick(tried)
+            if ep is None:  # every retriever tried (or down): wait, then start a new round over all of them
+                if attempt:
+                    await asyncio.sleep(self.retry.delay(attempt - 1))
+                tried.clear()
+                ep = await self._pick(tried)
+                if ep is None:  # still all down: try the one that comes back first anyway
+                    ep = min(self.endpoints, key=lambda e: e.down_until)
+            tried.add(ep.url)
+            reason = await self._attempt(ep, body, len(queries))
+            if isinstance(reason, list):
+                return reason
+            reasons[ep.url] = reason
+            self._mark_down(ep, reason)
+            log.warning("retriever %s attempt %d/%d failed: %s", ep.url, attempt + 1, self.retry.retries + 1, reason)
+        where = "; ".join(f"{url}: {why}" for url, why in reasons.items())
+        if len(self.endpoints) == 1:
+            raise RetrievalError(f"retriever {self.url} unavailable after {self.retry.retries + 1} attempts: "
+                                 f"{reasons[self.url]}")
+        raise RetrievalError(f"all {len(self.endpoints)} retrievers unavailable after {self.retry.retries + 1} "
+                             f"attempts: {where}")
+
+    async def _attempt(self, ep: Endpoint, body: dict[str, Any], n: int) -> list[list[Passage]] | str:
+        """The passages, or why this endpoint failed (retryable); a request the retriever rejects (4xx but 429)
+        raises at once, since every retriever would reject it alike."""
+        ep.in_flight += 1
+        try:
+            resp = await self._client.post(f"{ep.url}/retrieve", json=body)
+        except httpx.TimeoutException as exc:
+            reason = f"timeout ({type(exc).__name__})"
+        except httpx.TransportError as exc:
+            reason = f"transport error ({type(exc).__name__}: {exc})"
+        else:
+            if resp.status_code == 200:
+                self._record("ok", n)
+                return self._parse(resp.json(), n)
+            reason = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            if resp.status_code < 500 and resp.status_code != 429:
+                self._record("rejected", n)
+                raise RetrievalError(f"retriever {ep.url} rejected the request: {reason}")
+        finally:
+            ep.in_flight -= 1
+        self._record("error", n)
+        return reason
 
     def _record(self, outcome: str, n: int) -> None:
         if self._on_request is not None:
@@ -151,8 +243,8 @@ class RetrievalClient:
             raise RetrievalError(f"retriever answer has a malformed document: {exc!r}") from exc
 
     async def healthy(self) -> bool:
-        try:
-            resp = await self._client.get(f"{self.url}/health", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+        """True when at least one retriever answers /health."""
+        for ep in self.endpoints:
+            if await self._probe(ep):
+                return True
+        return False

@@ -2,7 +2,8 @@
 
 There is no turn barrier: a trajectory that answers at once frees its slot for a queued one while others are
 still searching. Every finished trajectory is committed to the store before it counts as done, so a gateway
-killed mid-batch loses only trajectories that were still running.
+killed mid-batch loses only trajectories that were still running. A batch started here is released from this
+process's claim (`claims`) once its final status is stored, so another gateway can resume it only after that.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from sisrl.services import store
 from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, TurnBarrier, run_agent
+from sisrl.services.claims import Claims, LocalClaims
 from sisrl.services.engines.base import Engine, SamplingParams
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.rewards import RewardSpec, reward_spec, score_response
@@ -53,10 +55,12 @@ class RunnerDeps:
 
 
 class BatchRunner:
-    """Schedules trajectories of submitted batches; `pending` counts queued + running ones."""
+    """Schedules trajectories of submitted batches; `pending` counts queued + running ones. `claims` holds the
+    batches this process runs (the caller claims a batch before `start`; the runner releases it at the end)."""
 
-    def __init__(self, deps: RunnerDeps, *, max_concurrency: int) -> None:
+    def __init__(self, deps: RunnerDeps, *, max_concurrency: int, claims: Claims | None = None) -> None:
         self.deps = deps
+        self.claims: Claims = claims if claims is not None else LocalClaims()
         self.pending = 0
         self._slots = asyncio.Semaphore(max_concurrency)
         self._batches: dict[str, set[asyncio.Task[None]]] = {}
@@ -65,6 +69,10 @@ class BatchRunner:
 
     def is_running(self, batch_id: str) -> bool:
         return batch_id in self._batches
+
+    def running_batches(self) -> list[str]:
+        """Batches started here and not finished (after `shutdown`: the ones it interrupted)."""
+        return list(self._batches)
 
     def start(self, *, batch_id: str, request: RolloutCreate, todo: list[tuple[int, int]]) -> None:
         """Run the (item index, sample index) pairs `todo` of a stored batch in the background."""
@@ -112,6 +120,7 @@ class BatchRunner:
             stored, errors = store.count_errors(session=session, batch_id=batch_id)
             status = "partial" if stored < row.total else ("failed" if errors == stored else "done")
             store.set_batch_status(session=session, batch_id=batch_id, status=status)
+        self.claims.release(batch_id)  # after the status is committed: whoever claims next reads it
         return status
 
     async def _one(self, batch_id: str, request: RolloutCreate, item_index: int, sample_index: int) -> None:

@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sisrl.common.hardware import DTYPE_NAMES
 from sisrl.common.wire import GATEWAY_PORT, RETRIEVER_URL, RUNS_ROOT
+from sisrl.services.retrieval_client import split_urls
 
 ENGINES = ("local", "vllm-http", "vllm", "scripted")
 
@@ -26,11 +27,31 @@ class GatewaySettings(BaseSettings):
     model: str = Field(default="smollm2-135m-instruct", description="policy model name, directory or hub id")
     tokenizer: str | None = Field(default=None, description="tokenizer directory or id (default: the model); "
                                   "store-only reads its tokenizer.json to show token texts")
-    dtype: str = Field(default="auto", description="local engine dtype: auto (bfloat16 only where native: CUDA, "
-                       "or a CPU with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
+    dtype: str = Field(default="auto", description="engine dtype: auto (local: bfloat16 only where native: CUDA, "
+                       "or a CPU with amx_bf16/avx512_bf16, else float32; vllm in process: vLLM's choice) | "
+                       "float32 | bfloat16 | float16 (vllm-http: the server's --dtype)")
     engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http)")
+    engine_api_key: SecretStr | None = Field(default=None, description="bearer token the vllm-http engine sends "
+                                             "(the server's --api-key / SISRL_ENGINE_API_TOKEN; unset = none)")
+    engine_weights_route: str = Field(default="/v1/load_weights", description="vllm-http weight-load route: "
+                                      "/v1/load_weights (sisrl's policy server) or /collective_rpc (vLLM with "
+                                      "VLLM_SERVER_DEV_MODE=1 and the SafetensorsReload worker extension)")
+    engine_after_weights_routes: str = Field(default="", description="comma-separated routes the vllm-http engine "
+                                             "POSTs after a weight load (vLLM: /reset_prefix_cache); empty = none")
+    engine_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="vllm-http request timeout")
+    engine_retries: int = Field(default=3, ge=0, le=20, description="vllm-http retries of a failed generation "
+                                "(a weight load is retried only when its connection never opened)")
+    engine_max_model_len: int | None = Field(default=None, ge=16, le=2**20, description="engine vllm (in "
+                                             "process): context length (unset: the model's)")
+    engine_enforce_eager: bool = Field(default=False, description="engine vllm (in process): no CUDA graphs / "
+                                       "compilation (faster start, needed on CPU builds)")
     script: Path | None = Field(default=None, description="JSON script of the scripted policy (engine scripted)")
-    retriever_url: str = Field(default=RETRIEVER_URL, description="Search-R1 compatible retriever")
+    script_base: str | None = Field(default=None, description="engine scripted: also run this engine (local | "
+                                    "vllm-http) on every real context, as many tokens as the scripted turn; the "
+                                    "script's tokens are recorded (unset: the script alone)")
+    retriever_url: str = Field(default=RETRIEVER_URL, description="Search-R1 compatible retriever; several, "
+                               "comma-separated, share the queries (least in flight; a failing one is skipped "
+                               "and probed back)")
     db_url: str = Field(default="sqlite:///gateway.db", description="SQLAlchemy URL of the rollout store")
     host: str = Field(default="127.0.0.1", description="bind address")
     port: int = Field(default=GATEWAY_PORT, ge=1, le=65535)
@@ -61,10 +82,27 @@ class GatewaySettings(BaseSettings):
             raise ValueError(f"engine: unknown engine {self.engine!r}, expected one of {ENGINES}")
         if self.engine == "vllm-http" and not self.engine_url and not self.store_only:  # store-only: no engine
             raise ValueError("engine_url: required with engine 'vllm-http' (e.g. http://127.0.0.1:8001)")
+        if self.script_base not in (None, "local", "vllm-http"):
+            raise ValueError(f"script_base: expected local or vllm-http, got {self.script_base!r}")
+        if self.script_base == "vllm-http" and not self.engine_url and not self.store_only:
+            raise ValueError("engine_url: required with script_base 'vllm-http' (e.g. http://127.0.0.1:8001)")
         if self.engine == "scripted" and self.script is None and not self.store_only:
             raise ValueError("script: required with engine 'scripted' (a JSON file, see docs/gateway.md)")
+        for route in (self.engine_weights_route, *self.after_weights_routes):
+            if not route.startswith("/"):
+                raise ValueError(f"engine_weights_route / engine_after_weights_routes: expected routes starting "
+                                 f"with '/', got {route!r}")
+        try:
+            split_urls(self.retriever_url)
+        except ValueError as exc:
+            raise ValueError(f"retriever_url: {exc}") from None
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")
         if self.api_token is not None and len(self.api_token.get_secret_value()) < 8:
             raise ValueError("api_token: expected at least 8 characters")
         return self
+
+    @property
+    def after_weights_routes(self) -> tuple[str, ...]:
+        """`engine_after_weights_routes` split at commas (blanks dropped)."""
+        return tuple(r.strip() for r in self.engine_after_weights_routes.split(",") if r.strip())

@@ -1,16 +1,20 @@
-"""The rollout store: SQLAlchemy over SQLite (WAL) by default, Postgres by URL.
+"""The rollout store: SQLAlchemy over SQLite (WAL) by default, PostgreSQL (psycopg 3) by URL.
 
 Token arrays are stored as little-endian numpy bytes (int32 ids, uint8 mask, float32 log-probs, top-K as a
 flattened [time, K] block plus K), never as JSON lists; so are the trainer's SIS records (`sis_records`, one row
 per trajectory and policy version; their functions are in `sis_store`). Trajectories are indexed by run, step, data source,
 reward and finish reason; `seq` (insertion order) is the pagination cursor. Functions are keyword-only.
+
+Several gateway processes may share one PostgreSQL store: the database's unique keys decide every race (one
+batch per idempotency key, one trajectory per (batch, item, sample)), and `claims` says which process runs a
+batch. Schema creation runs under a transaction-level advisory lock, so replicas can start together.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -31,9 +35,11 @@ from sqlalchemy import (
     event,
     func,
     select,
+    text,
     update,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -134,8 +140,16 @@ def open_db(url: str) -> sessionmaker[Session]:
     engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_pragmas)
-    Base.metadata.create_all(engine)
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Replicas starting together would race on CREATE TABLE; PostgreSQL's DDL is transactional, so the
+            # lock (released at commit) makes the second one find the tables made by the first.
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
+        Base.metadata.create_all(conn)
     return sessionmaker(engine, expire_on_commit=False)
+
+
+_SCHEMA_LOCK = int.from_bytes(hashlib.sha256(b"sisrl-schema").digest()[:8], "big") >> 1
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -158,17 +172,31 @@ def create_batch(
     *, session: Session, batch_id: str, run: str, step: int, idempotency_key: str | None,
     request_hash: str, request_json: str, total: int,
 ) -> BatchRow:
+    """Store a new `running` batch and return it; when another process stored the same idempotency key first,
+    return that batch instead (the unique key decides the race; compare the returned id with `batch_id`)."""
     row = BatchRow(
         id=batch_id, run=run, step=step, idempotency_key=idempotency_key, request_hash=request_hash,
         request_json=request_json, status="running", total=total,
     )
     session.add(row)
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        existing = get_batch_by_key(session=session, idempotency_key=idempotency_key) if idempotency_key else None
+        if existing is None:
+            raise
+        return existing
     return row
 
 
 def get_batch(*, session: Session, batch_id: str) -> BatchRow | None:
     return session.get(BatchRow, batch_id)
+
+
+def batch_status(*, session: Session, batch_id: str) -> str | None:
+    """The stored status as committed now (never a cached row)."""
+    return session.scalar(select(BatchRow.status).where(BatchRow.id == batch_id))
 
 
 def get_batch_by_key(*, session: Session, idempotency_key: str) -> BatchRow | None:
@@ -180,9 +208,12 @@ def set_batch_status(*, session: Session, batch_id: str, status: str) -> None:
     session.commit()
 
 
-def mark_interrupted(*, session: Session) -> int:
-    """Batches left `running` by a previous process become `partial`; returns how many."""
-    result = session.execute(update(BatchRow).where(BatchRow.status == "running").values(status="partial"))
+def mark_interrupted(*, session: Session, batch_ids: Collection[str] | None = None) -> int:
+    """Batches left `running` become `partial` (those of `batch_ids`, or every one when None); returns how many."""
+    query = update(BatchRow).where(BatchRow.status == "running")
+    if batch_ids is not None:
+        query = query.where(BatchRow.id.in_(list(batch_ids)))
+    result = session.execute(query.values(status="partial"))
     session.commit()
     return int(getattr(result, "rowcount", 0) or 0)
 
@@ -204,15 +235,10 @@ def count_errors(*, session: Session, batch_id: str) -> tuple[int, int]:
 
 # ---- trajectories ----------------------------------------------------------------------------------------------
 def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: int) -> bool:
-    """Insert one trajectory; False (and nothing written) when that (batch, item, sample) is already stored."""
+    """Insert one trajectory; False (and nothing written) when that (batch, item, sample) is already stored,
+    also when another process stored it between our check and our insert (the unique key refuses it)."""
     t = trajectory
-    exists = session.scalar(
-        select(TrajectoryRow.seq).where(
-            TrajectoryRow.batch_id == t.batch_id, TrajectoryRow.item_id == t.item_id,
-            TrajectoryRow.sample_index == sample_index,
-        )
-    )
-    if exists is not None:
+    if _has_sample(session, t.batch_id, t.item_id, sample_index):
         return False
     k = len(t.topk_ids[0]) if t.topk_ids else 0
     session.add(TrajectoryRow(
@@ -226,8 +252,20 @@ def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: in
         f1=t.reward_parts.f1, format=t.reward_parts.format, policy_version=t.policy_version,
         timings=t.timings, error=t.error,
     ))
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if _has_sample(session, t.batch_id, t.item_id, sample_index):
+            return False
+        raise
     return True
+
+
+def _has_sample(session: Session, batch_id: str, item_id: str, sample_index: int) -> bool:
+    col = TrajectoryRow
+    query = select(col.seq).where(col.batch_id == batch_id, col.item_id == item_id, col.sample_index == sample_index)
+    return session.scalar(query) is not None
 
 
 def pack(values: Sequence[Any] | np.ndarray, dtype: type[np.generic]) -> bytes:

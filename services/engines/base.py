@@ -10,7 +10,9 @@ Conventions shared by all engines:
   that top-p removed carry a finite, JSON-safe value instead of -inf.
 - `temperature == 0` (any value below GREEDY_TEMPERATURE) means greedy decoding; q is then reported at temperature 1 without top-p (vLLM does the
   same for greedy requests). Negative temperatures are refused.
-- Top-K entries are ordered by rank under q (most probable first); ties keep the model's logit order.
+- Top-K entries are ordered by rank under q (most probable first); ties keep the model's logit order. When
+  top-p leaves fewer than K tokens in q's support, the row ends in padding at MIN_LOGPROB whose ids carry no
+  rank (vLLM: arbitrary ids; the local engine: raw-logit order); `trainer.sis.topk_in_support` drops them.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Generation:
 
     token_ids: list[int]  # [T] sampled ids, stop text included
     logprobs: list[float]  # [T] log q(y_t) under the processed (post temperature / top-p) distribution
-    topk_ids: list[list[int]]  # [T][K] top-K ids of q at each position, most probable first
+    topk_ids: list[list[int]]  # [T][K] top-K ids of q at each position, most probable first (then padding)
     topk_logprobs: list[list[float]]  # [T][K] their log q
     finish_reason: str  # "stop" (stop string), "eos", "length"
     policy_version: int = 0  # version of the weights that produced every token of this generation

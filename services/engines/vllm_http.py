@@ -19,6 +19,14 @@ Weight updates: stock `vllm serve` has no load-from-disk route, so the route is 
 `VLLM_SERVER_DEV_MODE=1 --worker-extension-cls sisrl.services.engines.vllm_worker.SafetensorsReload` and
 use `weights_route="/collective_rpc"` (body `{"method": "sisrl_load_safetensors", "kwargs": {"path": ...}}`)
 plus `after_weights_routes=("/reset_prefix_cache",)` so no KV computed with the old weights is reused.
+A weight load is not retried once the server may have received it (a second load over a half-applied first
+one hides the real error); only a connection that never opened is retried. An after-route that answers 200
+with `{"success": false}` (vLLM's `/reset_prefix_cache` while blocks are still in use) is retried, then fails.
+
+Connections: uvicorn answers an exception in the app with a 500 and then closes the socket without a
+`Connection: close` header, so the pooled keep-alive connection would fail the next request with a
+`ReadError`. After any 5xx the engine therefore moves to a fresh connection pool; the old one is closed as
+soon as its in-flight requests finish.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ _RETRY_STATUS = frozenset({429, 502, 503, 504})
 
 
 class VLLMHttpEngine:
-    """`Engine` over HTTP. Safe for concurrent use (one pooled httpx.AsyncClient)."""
+    """`Engine` over HTTP. Safe for concurrent use (pooled httpx.AsyncClient, renewed after a 5xx)."""
 
     def __init__(
         self,
@@ -51,23 +59,36 @@ class VLLMHttpEngine:
         weights_route: str = "/v1/load_weights",
         after_weights_routes: tuple[str, ...] = (),
         max_connections: int = 256,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """`url`: server base URL (`http://host:port`); `model`: the served model name ("" = server default)."""
+        """`url`: server base URL (`http://host:port`); `model`: the served model name ("" = server default).
+
+        `retries`: further attempts of a generation (or an after-weights route) on transport errors, 429 and
+        5xx; `transport`: an httpx transport in place of the network (tests, proxies).
+        """
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        for route in (weights_route, *after_weights_routes):
+            if not route.startswith("/"):
+                raise ValueError(f"routes must start with '/', got {route!r}")
         self.url = url.rstrip("/")
         self.model = model
         self.policy_version = policy_version
         self.retries = retries
         self.weights_route = weights_route
-        self.after_weights_routes = after_weights_routes
+        self.after_weights_routes = tuple(after_weights_routes)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        timeout = httpx.Timeout(timeout_s, connect=10.0)
+
+        def new_client() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=self.url, headers=headers, timeout=timeout, limits=limits, transport=transport
+            )
+
+        self._new_client = new_client
+        self._client = new_client()
+        self._in_flight: dict[httpx.AsyncClient, int] = {}  # requests per client, old pools included
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One completion. ValueError on a 4xx (bad request), RuntimeError when the server keeps failing."""
@@ -78,35 +99,56 @@ class VLLMHttpEngine:
         return parse_completion(response.json(), params.logprobs_k, int(header) if header else version)
 
     async def load_weights(self, path: str, version: int) -> None:
-        """Ask the server to load `path` (a path on the server's machine), then record `version`."""
+        """Ask the server to load `path` (a path on the server's machine), then record `version`.
+
+        ValueError when the server refuses it (4xx), RuntimeError when it fails (5xx, a dropped connection,
+        an after-route that reports no success); `policy_version` then stays as it was.
+        """
         if self.weights_route == "/collective_rpc":
             body: dict[str, Any] = {"method": "sisrl_load_safetensors", "kwargs": {"path": path}}
         else:
             body = {"path": path, "version": version}
-        await self._post(self.weights_route, body)
+        await self._post(self.weights_route, body, idempotent=False)
         for route in self.after_weights_routes:
-            await self._post(route, None)
+            await self._post(route, None, check_success=True)
         self.policy_version = version
         log.info("server %s loaded %s as policy version %d", self.url, path, version)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        for client in {self._client, *self._in_flight}:
+            await client.aclose()
+        self._in_flight.clear()
 
-    async def _post(self, route: str, body: dict[str, Any] | None) -> httpx.Response:
-        """POST with retries (exponential backoff + jitter) on transport errors, 429 and 5xx."""
+    async def _post(
+        self, route: str, body: dict[str, Any] | None, *, idempotent: bool = True, check_success: bool = False
+    ) -> httpx.Response:
+        """POST with retries (exponential backoff + jitter) on transport errors, 429 and 5xx.
+
+        `idempotent=False`: retry only when the connection never opened (the server cannot have seen it).
+        `check_success`: a 2xx JSON body `{"success": false}` counts as a failure (vLLM's reset routes).
+        """
         for attempt in range(self.retries + 1):
             try:
-                response = await self._client.post(route, json=body)
+                response = await self._send(route, body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                failure = f"{type(exc).__name__}: {exc}"
             except httpx.TransportError as exc:
                 failure = f"{type(exc).__name__}: {exc}"
+                if not idempotent:
+                    raise RuntimeError(f"{self.url}{route} failed (not retried): {failure}") from exc
             else:
                 if response.status_code < 400:
-                    return response
-                if 400 <= response.status_code < 500 and response.status_code not in _RETRY_STATUS:
+                    if not check_success or _reports_success(response):
+                        return response
+                    failure = f"HTTP {response.status_code} without success: {response.text[:500]}"
+                elif 400 <= response.status_code < 500 and response.status_code not in _RETRY_STATUS:
                     raise ValueError(
                         f"{self.url}{route} refused the request ({response.status_code}): {response.text}"
                     )
-                failure = f"HTTP {response.status_code}: {response.text[:500]}"
+                else:
+                    failure = f"HTTP {response.status_code}: {response.text[:500]}"
+                    if not idempotent:
+                        raise RuntimeError(f"{self.url}{route} failed (not retried): {failure}")
             if attempt < self.retries:
                 delay = min(8.0, 0.25 * 2**attempt) * (0.5 + random.random())
                 log.warning(
@@ -114,6 +156,30 @@ class VLLMHttpEngine:
                 )
                 await asyncio.sleep(delay)
         raise RuntimeError(f"{self.url}{route} failed after {self.retries + 1} attempts: {failure}")
+
+    async def _send(self, route: str, body: dict[str, Any] | None) -> httpx.Response:
+        """One POST on the current pool; a 5xx retires that pool (see the module docstring)."""
+        client = self._client
+        self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        try:
+            response = await client.post(route, json=body)
+            if response.status_code >= 500 and client is self._client:
+                self._client = self._new_client()
+            return response
+        finally:
+            self._in_flight[client] -= 1
+            if client is not self._client and self._in_flight[client] == 0:
+                del self._in_flight[client]
+                await client.aclose()
+
+
+def _reports_success(response: httpx.Response) -> bool:
+    """False only for a JSON object body whose `success` is false; empty and other bodies count as success."""
+    try:
+        data = response.json()
+    except ValueError:
+        return True
+    return not (isinstance(data, dict) and data.get("success") is False)
 
 
 def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:

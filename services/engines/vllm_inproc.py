@@ -87,6 +87,13 @@ class VLLMEngine:
 
     async def close(self) -> None:
         self._engine.shutdown()
+        # AsyncLLM.__del__ calls shutdown() again; run late, at interpreter exit, it finds vllm's module globals
+        # already None and prints `TypeError: 'NoneType' object is not callable`. It has been shut down once.
+        self._engine.shutdown = _already_shut_down
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """Stands in for `AsyncLLM.shutdown` after `VLLMEngine.close` (see there)."""
 
 
 def _finish_reason(reason: str | None, stop_reason: int | str | None) -> str:

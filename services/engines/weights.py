@@ -5,28 +5,57 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+
+
+def safetensors_files(path: str) -> list[Path]:
+    """The `.safetensors` files of `path` (one file, or every one in a directory); FileNotFoundError if none."""
+    root = Path(path)
+    if root.is_file() and root.suffix == ".safetensors":
+        return [root]
+    if not root.is_dir():
+        raise FileNotFoundError(f"weights path {path!r} is neither a .safetensors file nor a directory")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path!r}")
+    return files
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     """All tensors of `path`: a `.safetensors` file or a directory of them (sharded HF checkpoints)."""
-    root = Path(path)
-    if root.is_file() and root.suffix == ".safetensors":
-        files = [root]
-    elif root.is_dir():
-        files = sorted(root.glob("*.safetensors"))
-    else:
-        raise FileNotFoundError(f"weights path {path!r} is neither a .safetensors file nor a directory")
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path!r}")
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in safetensors_files(path):
         try:
             state.update(load_file(str(file)))
         except SafetensorError as exc:
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
     return state
+
+
+def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `path`, read from the safetensors headers only (no tensor data)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
+    return shapes
+
+
+def check_like(state: dict[str, torch.Tensor], reference: dict[str, tuple[int, ...]], *, optional: set[str]) -> None:
+    """Raise ValueError unless `state` has the names and shapes of `reference` (names in `optional`, e.g. a tied
+    `lm_head.weight`, may be present in one and absent in the other)."""
+    unexpected = sorted(set(state) - set(reference) - optional)
+    missing = sorted(set(reference) - set(state) - optional)
+    if unexpected or missing:
+        raise ValueError(f"checkpoint names differ from the served model's: {len(unexpected)} unexpected "
+                         f"(e.g. {unexpected[:3]}), {len(missing)} missing (e.g. {missing[:3]})")
+    for name, tensor in state.items():
+        if name in reference and tuple(tensor.shape) != reference[name]:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != served model {reference[name]}")
 
 
 def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -1,16 +1,22 @@
-"""`/v1/batches`: status, progress and trajectories of a submitted batch; NDJSON stream while it runs."""
+"""`/v1/batches`: status, progress and trajectories of a submitted batch; NDJSON stream while it runs.
+
+Every gateway on the same store answers alike: a batch is `running` while some process (this one or another
+gateway on the same PostgreSQL) holds its claim (`claims`), and `partial` once its owner is gone.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, HTTPException, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sisrl.services import store
+from sisrl.services import claims, store
 from sisrl.services.deps import SessionDep, StateDep
 from sisrl.services.schemas import BatchPublic, Progress, RolloutCreate
 from sisrl.services.state import GatewayState
+from sqlalchemy.orm import Session
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -32,8 +38,7 @@ def get_batch(batch_id: str, state: StateDep, session: SessionDep) -> BatchPubli
     for item_id, _ in done:
         have[item_id] = have.get(item_id, 0) + 1
     missing = [item.id for item in request.items if have.get(item.id, 0) < request.samples_per_item]
-    running = state.is_running(batch_id)
-    batch_status = "running" if running else row.status
+    batch_status = _status(state, session, row)
     trajectories = None
     if batch_status in ("done", "failed"):
         trajectories = [store.to_trajectory(r) for _, r in store.batch_trajectories(session=session, batch_id=batch_id)]
@@ -41,6 +46,27 @@ def get_batch(batch_id: str, state: StateDep, session: SessionDep) -> BatchPubli
         batch_id=batch_id, run=row.run, step=row.step, status=batch_status,  # type: ignore[arg-type]
         progress=Progress(done=len(done), total=row.total), missing_items=missing, trajectories=trajectories,
     )
+
+
+def _status(state: GatewayState, session: Session, row: store.BatchRow) -> str:
+    """The batch's status as every gateway on the store sees it."""
+    if state.is_running(row.id):
+        return "running"
+    if row.status != "running":
+        return row.status
+    owners = claims.owned(session, [row.id])
+    if owners is None or row.id in owners:  # SQLite: the stored status is the truth
+        return "running"
+    # Nobody holds it now. Read again: its owner stores the final status before letting go, so a batch that
+    # finished since `row` was read shows that status; one still `running` lost its owner (a killed gateway).
+    now = store.batch_status(session=session, batch_id=row.id)
+    return "partial" if now in (None, "running") else now
+
+
+def _running_anywhere(state: GatewayState, batch_id: str) -> bool:
+    with state.sessions() as session:
+        row = store.get_batch(session=session, batch_id=batch_id)
+        return row is not None and _status(state, session, row) == "running"
 
 
 @router.get(
@@ -59,15 +85,21 @@ async def stream_batch(batch_id: str, state: StateDep) -> StreamingResponse:
 async def _lines(state: GatewayState, batch_id: str) -> AsyncIterator[bytes]:
     last = 0
     while True:
-        running = state.is_running(batch_id)  # read before the query: no row can slip past the end
+        # Read before the query, so no row can slip past the end.
+        here = state.is_running(batch_id)
+        running = here or await run_in_threadpool(_running_anywhere, state, batch_id)
         rows = await run_in_threadpool(_after, state, batch_id, last)
         for seq, line in rows:
             last = seq
             yield line
         if not running:
             return
-        if not rows and state.live is not None:
+        if rows:
+            continue
+        if here and state.live is not None:
             await state.live.runner.wait_change(batch_id, timeout=1.0)
+        else:  # another gateway runs it: no event reaches this process, so poll the store
+            await asyncio.sleep(0.5)
 
 
 def _after(state: GatewayState, batch_id: str, last: int) -> list[tuple[int, bytes]]:

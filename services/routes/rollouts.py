@@ -42,21 +42,35 @@ def _all_pairs(body: RolloutCreate) -> list[tuple[int, int]]:
     return [(i, s) for i in range(len(body.items)) for s in range(body.samples_per_item)]
 
 
-async def _resume(state: GatewayState, live: Live, row: store.BatchRow, body: RolloutCreate) -> BatchCreated:
-    """Same idempotency key again: finished or running batches are returned; interrupted ones resume."""
-    if live.runner.is_running(row.id) or row.status in ("done", "failed"):
-        return BatchCreated(batch_id=row.id, status="running" if live.runner.is_running(row.id) else row.status)  # type: ignore[arg-type]
+async def _resume(state: GatewayState, live: Live, batch_id: str, body: RolloutCreate) -> BatchCreated:
+    """Same idempotency key again (through this gateway or another on the same store): a finished batch, or
+    one some process runs, is returned; an interrupted one is claimed here and runs its missing samples."""
+    if live.runner.is_running(batch_id):
+        return BatchCreated(batch_id=batch_id, status="running")
+    claims = live.runner.claims
+    if not await run_in_threadpool(claims.try_claim, batch_id):
+        return BatchCreated(batch_id=batch_id, status="running")  # another gateway holds it: it is running there
+    try:
+        # Read after claiming: the previous owner stores the final status before it lets go of the claim.
+        status_now, todo = await run_in_threadpool(_status_and_missing, state, batch_id, body)
+        if status_now in ("done", "failed"):
+            await run_in_threadpool(claims.release, batch_id)
+            return BatchCreated(batch_id=batch_id, status=status_now)  # type: ignore[arg-type]
+        _reserve(state, live, len(todo))
+        await run_in_threadpool(_set_status, state, batch_id, "running")
+    except BaseException:
+        await run_in_threadpool(claims.release, batch_id)
+        raise
+    live.runner.start(batch_id=batch_id, request=body, todo=todo)
+    return BatchCreated(batch_id=batch_id, status="running")
 
-    def missing() -> list[tuple[int, int]]:
-        with state.sessions() as session:
-            done = store.done_samples(session=session, batch_id=row.id)
-        return [(i, s) for i, s in _all_pairs(body) if (body.items[i].id, s) not in done]
 
-    todo = await run_in_threadpool(missing)
-    _reserve(state, live, len(todo))
-    await run_in_threadpool(_set_status, state, row.id, "running")
-    live.runner.start(batch_id=row.id, request=body, todo=todo)
-    return BatchCreated(batch_id=row.id, status="running")
+def _status_and_missing(state: GatewayState, batch_id: str, body: RolloutCreate) -> tuple[str, list[tuple[int, int]]]:
+    with state.sessions() as session:
+        status_now = store.batch_status(session=session, batch_id=batch_id)
+        done = store.done_samples(session=session, batch_id=batch_id)
+    assert status_now is not None, f"batch {batch_id} vanished from the store"
+    return status_now, [(i, s) for i, s in _all_pairs(body) if (body.items[i].id, s) not in done]
 
 
 def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
@@ -70,8 +84,9 @@ def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
                         429: {"description": "the gateway has max_pending trajectories queued; retry after Retry-After"},
                         **STORE_ONLY_RESPONSE})
 async def create_rollouts(body: RolloutCreate, state: StateDep, live: LiveDep) -> BatchCreated:
-    """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work:
-    it returns the same batch, and an interrupted batch runs only its missing samples."""
+    """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work, on
+    this gateway or any other on the same store: it returns the same batch, and an interrupted batch runs only
+    its missing samples."""
     if body.policy_version != live.engine.policy_version:
         log.warning("batch for run %s step %d expects policy version %d, the engine has %d", body.run, body.step,
                     body.policy_version, live.engine.policy_version)
@@ -81,16 +96,32 @@ async def create_rollouts(body: RolloutCreate, state: StateDep, live: LiveDep) -
         if body.idempotency_key is not None:
             row = await run_in_threadpool(_by_key, state, body.idempotency_key)
             if row is not None:
-                if row.request_hash != fingerprint:
-                    raise HTTPException(status.HTTP_409_CONFLICT,
-                                        detail=f"idempotency_key {body.idempotency_key!r} was used for another request")
-                return await _resume(state, live, row, body)
+                return await _resume(state, live, _same_request(row, body, fingerprint), body)
         todo = _all_pairs(body)
         _reserve(state, live, len(todo))
         batch_id = uuid.uuid4().hex
-        await run_in_threadpool(_create, state, batch_id, body, fingerprint, payload)
+        claims = live.runner.claims
+        # Claim the fresh id before its row exists, so no other gateway can think it is interrupted.
+        claimed = await run_in_threadpool(claims.try_claim, batch_id)
+        assert claimed, f"fresh batch id {batch_id} already claimed"
+        try:
+            stored = await run_in_threadpool(_create, state, batch_id, body, fingerprint, payload)
+        except BaseException:
+            await run_in_threadpool(claims.release, batch_id)
+            raise
+        if stored.id != batch_id:  # another gateway stored this idempotency key first: it is that batch
+            await run_in_threadpool(claims.release, batch_id)
+            return await _resume(state, live, _same_request(stored, body, fingerprint), body)
         live.runner.start(batch_id=batch_id, request=body, todo=todo)
     return BatchCreated(batch_id=batch_id, status="running")
+
+
+def _same_request(row: store.BatchRow, body: RolloutCreate, fingerprint: str) -> str:
+    """The id of the batch stored under this idempotency key; 409 when it was stored for another request."""
+    if row.request_hash != fingerprint:
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            detail=f"idempotency_key {body.idempotency_key!r} was used for another request")
+    return row.id
 
 
 def _by_key(state: GatewayState, key: str) -> store.BatchRow | None:
@@ -98,11 +129,12 @@ def _by_key(state: GatewayState, key: str) -> store.BatchRow | None:
         return store.get_batch_by_key(session=session, idempotency_key=key)
 
 
-def _create(state: GatewayState, batch_id: str, body: RolloutCreate, fingerprint: str, payload: dict[str, object]) -> None:
+def _create(state: GatewayState, batch_id: str, body: RolloutCreate, fingerprint: str,
+            payload: dict[str, object]) -> store.BatchRow:
     with state.sessions() as session:
-        store.create_batch(session=session, batch_id=batch_id, run=body.run, step=body.step,
-                           idempotency_key=body.idempotency_key, request_hash=fingerprint,
-                           request_json=json.dumps(payload), total=len(body.items) * body.samples_per_item)
+        return store.create_batch(session=session, batch_id=batch_id, run=body.run, step=body.step,
+                                  idempotency_key=body.idempotency_key, request_hash=fingerprint,
+                                  request_json=json.dumps(payload), total=len(body.items) * body.samples_per_item)
 
 
 @router.get("", response_model=RolloutPage, summary="List stored trajectories")

@@ -1,5 +1,5 @@
-"""Fixtures of the gateway tests: a tiny policy on disk, a real retriever over shared passages, and gateways
-started as real uvicorn subprocesses on free loopback ports."""
+"""Fixtures of the gateway tests: a tiny policy on disk, a real retriever over shared passages, gateways
+started as real uvicorn subprocesses on free loopback ports, and a private PostgreSQL server (tests/services/pg.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import httpx
 import pytest
 import torch
 from sisrl.common.procs import free_port, launch_module, stop_process, wait_healthy
+
+from tests.services.pg import Cluster, Unavailable, start_cluster
 
 GATEWAY_TOKEN = "test-token-123456"
 NQ_QUESTIONS = 6  # nq/dev questions whose gold passages go into the small index
@@ -117,12 +119,13 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayF
     """Factory: start a gateway with the given CLI options (db defaults to a fresh SQLite file)."""
     started: list[Gateway] = []
 
-    def start(*options: str, db_url: str | None = None, token: str | None = None) -> Gateway:
+    def start(*options: str, db_url: str | None = None, token: str | None = None,
+              env: dict[str, str | None] | None = None) -> Gateway:
         tmp = tmp_path_factory.mktemp("gateway")
         db_url = db_url or f"sqlite:///{tmp / 'rollouts.db'}"
         port = free_port()
         args = ["serve", "--port", str(port), "--db-url", db_url, "--checkpoint-root", str(tmp), *options]
-        env = {"SISRL_GATEWAY_LOG_LEVEL": "warning", "SISRL_GATEWAY_API_TOKEN": token}  # None: unset
+        env = {"SISRL_GATEWAY_LOG_LEVEL": "warning", "SISRL_GATEWAY_API_TOKEN": token, **(env or {})}  # None: unset
         service = launch_module("gateway", "sisrl.services.cli", args, port=port, log=tmp / "gateway.log", env=env)
         wait_healthy(service, timeout_s=STARTUP_S)
         gateway = Gateway(url=service.url, args=args, db_url=db_url, log=service.log, process=service.process,
@@ -245,3 +248,24 @@ def store_only_gateway(start_gateway: GatewayFactory, viewer_store: Any) -> Iter
                             token=GATEWAY_TOKEN)
     yield gateway
     gateway.stop()
+
+
+# --- PostgreSQL: one private server per session, a fresh database per test ---------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Cluster]:
+    """A PostgreSQL server of our own on a free loopback port, removed after the session; skips where none can run."""
+    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install 'psycopg[binary]')")
+    try:
+        cluster = start_cluster()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Cluster) -> str:
+    """SQLAlchemy URL (postgresql+psycopg://) of a new empty database on the session's server."""
+    return pg_cluster.create_database()

@@ -5,6 +5,9 @@ schemathesis run with zero 5xx."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 from sisrl.common.models import build_tiny_policy, load_tokenizer
+from sisrl.common.procs import free_port
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, create_engine
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_server import ServerSettings, create_app
@@ -298,3 +302,147 @@ def test_schemathesis_all_checks_on_the_policy_server(policy_server: Any) -> Non
     assert not any("security" in op for item in schema["paths"].values() for op in item.values())
     run_schemathesis(f"{policy_server.url}/openapi.json", examples=10, phases="examples,fuzzing", seed=2,
                      exclude=("positive_data_acceptance",))
+
+
+# --- failure handling of the vLLM-HTTP engine (issue 11): a scripted transport stands in for the failing server --
+
+
+def _completion_json(token: int = 4) -> dict[str, Any]:
+    lp = {"tokens": [f"token_id:{token}"], "token_logprobs": [-0.5], "top_logprobs": [{f"token_id:{token}": -0.5}]}
+    return {"choices": [{"finish_reason": "length", "stop_reason": None, "token_ids": [token], "logprobs": lp}]}
+
+
+class _SlowErrorLog(logging.Handler):
+    """Holds uvicorn's event loop while it logs an app exception, i.e. after the 500 went out and before uvicorn
+    closes the socket: the client's next request then lands on a connection the server is about to drop."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        time.sleep(0.5)
+
+
+def test_a_500_that_drops_the_connection_does_not_fail_the_next_request() -> None:
+    """uvicorn answers an exception with a 500 and closes the socket without `Connection: close` (vLLM's server
+    does this); with retries=0 the next request must still succeed, on a fresh connection."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    calls: list[int] = []
+
+    @app.post("/v1/completions")
+    def completions() -> dict[str, Any]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("engine step failed")
+        return _completion_json()
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, log_level="error",
+                                           access_log=False))
+    handler = _SlowErrorLog()
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        async def body() -> Generation:
+            engine = VLLMHttpEngine(f"http://127.0.0.1:{port}", model="", retries=0)
+            params = SamplingParams(max_new_tokens=1, logprobs_k=1, stop=())
+            try:
+                with pytest.raises(RuntimeError, match="HTTP 500"):
+                    await engine.generate([1, 2], params)
+                return await engine.generate([1, 2], params)
+            finally:
+                await engine.close()
+
+        assert asyncio.run(body()).token_ids == [4]
+        assert len(calls) == 2
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+
+
+def _scripted(responses: list[httpx.Response | Exception], seen: list[str]) -> httpx.MockTransport:
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        answer = responses.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return httpx.MockTransport(handle)
+
+
+def test_a_failing_weight_load_is_not_retried() -> None:
+    async def load(responses: list[httpx.Response | Exception]) -> tuple[list[str], BaseException | None, int]:
+        seen: list[str] = []
+        engine = VLLMHttpEngine("http://vllm", model="m", retries=3, weights_route="/collective_rpc",
+                                after_weights_routes=("/reset_prefix_cache",), transport=_scripted(responses, seen))
+        error: BaseException | None = None
+        try:
+            await engine.load_weights("/ckpt/v1", 1)
+        except (RuntimeError, ValueError) as exc:
+            error = exc
+        finally:
+            await engine.close()
+        return seen, error, engine.policy_version
+
+    # A 500 from the worker (a checkpoint that failed to load): one attempt, RuntimeError, version kept.
+    seen, error, version = asyncio.run(load([httpx.Response(500, text="worker raised")]))
+    assert seen == ["/collective_rpc"] and isinstance(error, RuntimeError) and "not retried" in str(error)
+    assert version == 0
+    # A connection dropped after the request went out: the server may be loading; not retried either.
+    request = httpx.Request("POST", "http://vllm/collective_rpc")
+    seen, error, _ = asyncio.run(load([httpx.ReadError("reset", request=request)]))
+    assert seen == ["/collective_rpc"] and isinstance(error, RuntimeError)
+    # A connection that never opened is safe to retry.
+    seen, error, version = asyncio.run(load([httpx.ConnectError("refused", request=request),
+                                             httpx.Response(200, json={"results": [291]}),
+                                             httpx.Response(200, json={"success": True})]))
+    assert seen == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache"] and error is None and version == 1
+
+
+def test_a_prefix_cache_reset_without_success_fails_the_load() -> None:
+    async def load(reset: list[httpx.Response]) -> tuple[list[str], BaseException | None, int]:
+        seen: list[str] = []
+        transport = _scripted([httpx.Response(200, json={"results": [291]}), *reset], seen)
+        engine = VLLMHttpEngine("http://vllm", model="m", retries=1, weights_route="/collective_rpc",
+                                after_weights_routes=("/reset_prefix_cache",), transport=transport)
+        error: BaseException | None = None
+        try:
+            await engine.load_weights("/ckpt/v1", 1)
+        except RuntimeError as exc:
+            error = exc
+        finally:
+            await engine.close()
+        return seen, error, engine.policy_version
+
+    # vLLM answers 200 {"success": false} while blocks are in use: retried (it is idempotent), then an error.
+    seen, error, version = asyncio.run(load([httpx.Response(200, json={"success": False})] * 2))
+    assert seen == ["/collective_rpc"] + ["/reset_prefix_cache"] * 2 and version == 0
+    assert isinstance(error, RuntimeError) and "without success" in str(error)
+    # Success on the retry, and an empty 200 body (older servers) counts as success.
+    seen, error, version = asyncio.run(load([httpx.Response(200, json={"success": False}), httpx.Response(200)]))
+    assert error is None and version == 1 and len(seen) == 3
+
+
+def test_gateway_settings_reach_the_vllm_http_engine() -> None:
+    from sisrl.services.live import build_engine
+    from sisrl.services.settings import GatewaySettings
+
+    settings = GatewaySettings(engine="vllm-http", engine_url="http://127.0.0.1:8000", model="served",
+                               engine_weights_route="/collective_rpc", engine_retries=0,
+                               engine_after_weights_routes="/reset_prefix_cache, /other",
+                               engine_api_key=SecretStr("k3y-k3y-k3y"), engine_timeout_s=5)
+    engine = build_engine(settings, load_tokenizer())
+    assert isinstance(engine, VLLMHttpEngine)
+    assert (engine.url, engine.model, engine.weights_route, engine.after_weights_routes, engine.retries) == (
+        "http://127.0.0.1:8000", "served", "/collective_rpc", ("/reset_prefix_cache", "/other"), 0)
+    assert engine._client.headers["authorization"] == "Bearer k3y-k3y-k3y"
+    asyncio.run(engine.close())
+    with pytest.raises(ValueError, match="starting with '/'"):
+        GatewaySettings(engine="vllm-http", engine_url="http://x", engine_after_weights_routes="reset")

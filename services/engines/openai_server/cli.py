@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import uvicorn
 from pydantic import SecretStr
+from sisrl.common.cli import add_options, field_options, given
 from sisrl.common.http import configure_logging
 from sisrl.services.engines.openai_server.app import create_app
 from sisrl.services.engines.openai_server.settings import TOKEN_ENV, ServerSettings
@@ -18,16 +18,10 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
     parser = argparse.ArgumentParser(
         prog="python -m sisrl.services.engines.openai_server",
         description="OpenAI-completions-compatible policy server over the local transformers engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in dataclasses.fields(ServerSettings):
-        if f.name == "api_token":
-            continue
-        kind = int if f.type in ("int", int) else str
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", type=kind, default=f.default, help=f.metadata["help"]
-        )
-    args = vars(parser.parse_args(argv))
+    options = field_options(ServerSettings, skip=("api_token",))  # the token comes from the env only
+    add_options(parser, options)
+    args = given(parser.parse_args(argv), options)
     try:
         token = os.environ.get(TOKEN_ENV)
         return ServerSettings(**args, api_token=SecretStr(token) if token else None)

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K, MAX_SIS_RECORDS
 from sisrl.services.rewards import DEFAULT_SPECS
 
 BatchStatus = Literal["running", "done", "failed", "partial"]
 FinishReason = Literal["answer", "eos", "max_turns", "length", "error"]
 
-_ID = Field(min_length=1, max_length=256)
+# Stored text must not hold NUL: PostgreSQL text columns refuse it (SQLite would keep it), so it is a 422 here.
+NO_NUL = r"^[^\x00]*$"
+_ID = Field(min_length=1, max_length=256, pattern=NO_NUL)
+_Text = Annotated[str, StringConstraints(pattern=NO_NUL)]
 MAX_TOKENS = 65536  # the largest max_response_tokens (GatewaySettings): no per-token array is longer
 F32_LIMIT = 3.0e38  # per-token floats are stored as float32 (max ~3.4e38): larger values would become inf
-
 
 
 def first_repeat(values: list[Any]) -> Any | None:
@@ -29,6 +31,7 @@ def first_repeat(values: list[Any]) -> Any | None:
         seen.add(value)
     return None
 
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -38,8 +41,8 @@ class RolloutItem(_Strict):
     """One question to roll out `samples_per_item` times (one GRPO group)."""
 
     id: str = _ID
-    question: str = Field(min_length=1, max_length=4096)
-    golden_answers: list[str] = Field(min_length=1, max_length=64)
+    question: str = Field(min_length=1, max_length=4096, pattern=NO_NUL)
+    golden_answers: list[_Text] = Field(min_length=1, max_length=64)
     data_source: str = Field(min_length=1, max_length=64, description="selects the reward rule (nq, hotpotqa, ...)",
                              json_schema_extra={"enum": sorted(DEFAULT_SPECS)})
 
@@ -72,7 +75,7 @@ class RolloutCreate(_Strict):
     samples_per_item: int = Field(default=1, ge=1, le=256)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
     max_turns: int = Field(default=4, ge=1, le=32)
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256, pattern=NO_NUL)
 
     @model_validator(mode="after")
     def _unique_items(self) -> RolloutCreate:

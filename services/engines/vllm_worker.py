@@ -47,9 +47,9 @@ class SafetensorsReload:
             raise RuntimeError("SafetensorsReload must be a vLLM (>= 0.32) worker extension: no reload_weights")
         state = read_safetensors(path)
         served = str(config.model)
-        if Path(served).is_dir():  # a hub id: vLLM's own loader checks the shapes while it loads
+        if Path(served).is_dir():
             check_like(state, safetensors_shapes(served), optional={TIED})
-        else:
+        else:  # a hub id: no local checkpoint to compare with; vLLM's own loader checks shapes while it loads
             log.warning("served model %s is not a local directory; %s is loaded without a shape check", served, path)
         reload(weights_iterator=iter(state.items()), is_checkpoint_format=True)
         if getattr(config.hf_config, "tie_word_embeddings", False):

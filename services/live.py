@@ -12,6 +12,7 @@ from sisrl.services import store
 from sisrl.services.agent import SearchR1Protocol
 from sisrl.services.claims import open_claims
 from sisrl.services.engines.base import Engine, create_engine
+from sisrl.services.engines.pool import EnginePool
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.retrieval_client import RetrievalClient, RetryPolicy
 from sisrl.services.rewards import DEFAULT_SPECS, RewardSpec
@@ -42,11 +43,15 @@ def _real_engine(kind: str, settings: GatewaySettings, tokenizer: PreTrainedToke
                              max_batch_size=settings.max_concurrency, dtype=settings.dtype)
     if kind == "vllm-http":
         key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
-        return create_engine("vllm-http", model=settings.model, url=settings.engine_url, api_key=key,
-                             timeout_s=settings.engine_timeout_s, retries=settings.engine_retries,
-                             weights_route=settings.engine_weights_route,
-                             after_weights_routes=settings.after_weights_routes,
-                             max_connections=settings.max_concurrency)
+        servers = [create_engine("vllm-http", model=settings.model, url=url, api_key=key,
+                                 timeout_s=settings.engine_timeout_s, retries=settings.engine_retries,
+                                 weights_route=settings.engine_weights_route,
+                                 after_weights_routes=settings.after_weights_routes,
+                                 max_connections=settings.max_concurrency)
+                   for url in settings.engine_urls]
+        if len(servers) == 1:
+            return servers[0]
+        return EnginePool(servers)  # type: ignore[arg-type]  # VLLMHttpEngine has `url`
     args: dict[str, object] = {"enforce_eager": settings.engine_enforce_eager}
     if settings.engine_max_model_len is not None:
         args["max_model_len"] = settings.engine_max_model_len
@@ -73,6 +78,7 @@ def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clo
             log.warning("%d batch(es) were interrupted by a previous stop; they report their missing items",
                         interrupted)
     metrics.policy_version.set(engine.policy_version)
+    metrics.watch_engines(engine)
     retriever = RetrievalClient(
         settings.retriever_url, topk=settings.topk, timeout_s=settings.retriever_timeout_s,
         retry=RetryPolicy(retries=settings.retriever_retries, backoff_s=settings.retriever_backoff_s),

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from sisrl.common.http import RequestMetrics
 from sisrl.services.timing import BusyClock
+
+if TYPE_CHECKING:
+    from sisrl.services.engines.pool import EnginePool
 
 
 class GatewayMetrics:
@@ -36,6 +42,14 @@ class GatewayMetrics:
         for component in ("engine", "retriever", "any"):
             busy.labels(component).set_function(_busy_reader(clock, component))
 
+    def watch_engines(self, engine: Any) -> None:
+        """Per-server metrics when the engine is a pool of servers (or a scripted engine over one)."""
+        from sisrl.services.engines.pool import EnginePool
+
+        pool = engine if isinstance(engine, EnginePool) else getattr(engine, "base", None)
+        if isinstance(pool, EnginePool):
+            self.registry.register(_PoolCollector(pool))
+
     def record_retriever(self, outcome: str, queries: float) -> None:
         self.retriever_requests.labels(outcome).inc()
         if outcome == "ok":
@@ -44,3 +58,37 @@ class GatewayMetrics:
 
 def _busy_reader(clock: BusyClock, component: str) -> Callable[[], float]:
     return lambda: clock.busy_s.get(component, 0.0)
+
+
+class _PoolCollector(Collector):
+    """`sisrl_gateway_engine_*{server}`: one series per engine server of a pool, read at scrape time."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        servers = self.pool.servers
+        gauges = {
+            "in_flight": ("generation requests in flight", lambda s: s.in_flight),
+            "up": ("1 while the server takes turns (up, current weights, not loading)",
+                   lambda s: float(self.pool._usable(s))),
+            "policy_version": ("policy version the server holds", lambda s: s.policy_version),
+            "tokens_per_second": ("generated tokens per second of wall time with a request in flight",
+                                  lambda s: s.tokens_per_s),
+        }
+        for name, (doc, read) in gauges.items():
+            gauge = GaugeMetricFamily(f"sisrl_gateway_engine_{name}", doc, labels=["server"])
+            for server in servers:
+                gauge.add_metric([server.url], float(read(server)))
+            yield gauge
+        counters = {
+            "requests": ("generation requests sent", lambda s: s.requests),
+            "errors": ("generation requests that failed (the turn went to another server)", lambda s: s.errors),
+            "generated_tokens": ("tokens generated", lambda s: s.tokens),
+            "trajectories": ("trajectories routed to the server", lambda s: s.trajectories),
+        }
+        for name, (doc, read) in counters.items():
+            counter = CounterMetricFamily(f"sisrl_gateway_engine_{name}", doc, labels=["server"])
+            for server in servers:
+                counter.add_metric([server.url], float(read(server)))
+            yield counter

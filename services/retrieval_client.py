@@ -73,15 +73,18 @@ class Endpoint:
         return self.failures > 0
 
 
-def split_urls(urls: str | Sequence[str]) -> list[str]:
-    """`"http://a:1, http://b:2"` or a list -> base URLs without a trailing slash; an empty list is an error."""
+def split_urls(urls: str | Sequence[str], what: str = "retriever") -> list[str]:
+    """`"http://a:1, http://b:2"` or a list -> distinct base URLs without a trailing slash; none is an error.
+    `what` names the servers in the error ("retriever", "engine")."""
     items = urls.split(",") if isinstance(urls, str) else list(urls)
     out = [u.strip().rstrip("/") for u in items if u.strip()]
     if not out:
-        raise ValueError(f"expected at least one retriever URL, got {urls!r}")
+        raise ValueError(f"expected at least one {what} URL, got {urls!r}")
     for url in out:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"retriever URL {url!r} must start with http:// or https://")
+            raise ValueError(f"{what} URL {url!r} must start with http:// or https://")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what} URLs must be distinct, got {out}")
     return out
 
 

@@ -19,6 +19,7 @@ from sisrl.services import store
 from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, TurnBarrier, run_agent
 from sisrl.services.claims import Claims, LocalClaims
 from sisrl.services.engines.base import Engine, SamplingParams
+from sisrl.services.engines.pool import for_trajectory
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.rewards import RewardSpec, reward_spec, score_response
 from sisrl.services.schemas import RewardParts, RolloutCreate, RolloutItem, Trajectory, Turn
@@ -147,7 +148,7 @@ class BatchRunner:
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 logprobs_k=s.logprobs_k, seed=seed)
         limits = AgentLimits(max_turns=request.max_turns, max_response_tokens=self.deps.max_response_tokens)
-        return await run_agent(engine=self.deps.engine, searcher=self.deps.searcher, protocol=self.deps.protocol,
+        return await run_agent(engine=for_trajectory(self.deps.engine), searcher=self.deps.searcher, protocol=self.deps.protocol,
                                question=item.question, params=params, limits=limits, clock=self.deps.clock,
                                barrier=barrier)
 

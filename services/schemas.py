@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K, MAX_SIS_RECORDS
 from sisrl.services.rewards import DEFAULT_SPECS
 
@@ -33,7 +33,17 @@ def first_repeat(values: list[Any]) -> Any | None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Request bodies: unknown fields and type coercions are refused (a JSON `"3"` or `true` is not an int), so
+    what validates is what the OpenAPI schema says; a rule the schema cannot state is a 400 from the route
+    (`rule_error`), never a 422 for a body the schema calls valid."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral_numbers(cls, value: Any) -> Any:
+        """3.0 -> 3: JSON Schema counts an integral number as an integer (strict mode alone would refuse it)."""
+        return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # ---- rollouts: create ------------------------------------------------------------------------------------------
@@ -77,12 +87,10 @@ class RolloutCreate(_Strict):
     max_turns: int = Field(default=4, ge=1, le=32)
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256, pattern=NO_NUL)
 
-    @model_validator(mode="after")
-    def _unique_items(self) -> RolloutCreate:
+    def rule_error(self) -> str | None:
+        """Why this schema-valid body cannot run (the route answers 400), or None."""
         dup = first_repeat([item.id for item in self.items])
-        if dup is not None:
-            raise ValueError(f"item ids must be unique within a batch, {dup!r} repeats")
-        return self
+        return None if dup is None else f"item ids must be unique within a batch, {dup!r} repeats"
 
 
 class BatchCreated(BaseModel):
@@ -230,12 +238,11 @@ class SisRecordIn(_Strict):
     logp: list[_F32] = Field(max_length=MAX_TOKENS, description="log pi_theta(y_t)")
     log_m: list[_F32] = Field(max_length=MAX_TOKENS, description="log M_t = log max over V_K of pi_theta / q")
 
-    @model_validator(mode="after")
-    def _same_lengths(self) -> SisRecordIn:
+    def rule_error(self) -> str | None:
         sizes = {name: len(getattr(self, name)) for name in ("status", "ratio", "logp", "log_m")}
         if len(set(sizes.values())) > 1:
-            raise ValueError(f"trajectory {self.trajectory_id!r}: per-token arrays differ in length {sizes}")
-        return self
+            return f"trajectory {self.trajectory_id!r}: per-token arrays differ in length {sizes}"
+        return None
 
 
 class SisRecordsCreate(_Strict):
@@ -246,13 +253,17 @@ class SisRecordsCreate(_Strict):
     # The limit is checked by the route (413), not here: a 422 would echo every record back.
     records: list[SisRecordIn] = Field(min_length=1, json_schema_extra={"maxItems": MAX_SIS_RECORDS})
 
-    @field_validator("records")
-    @classmethod
-    def _one_per_version(cls, records: list[SisRecordIn]) -> list[SisRecordIn]:
-        dup = first_repeat([(r.trajectory_id, r.policy_version) for r in records])
+    def rule_error(self) -> tuple[int, str] | None:
+        """(record index, why) for the first record that breaks a rule the schema cannot state (HTTP 400)."""
+        for i, record in enumerate(self.records):
+            why = record.rule_error()
+            if why is not None:
+                return i, why
+        pairs = [(r.trajectory_id, r.policy_version) for r in self.records]
+        dup = first_repeat(pairs)
         if dup is not None:
-            raise ValueError(f"trajectory {dup[0]!r} has two records for policy version {dup[1]}")
-        return records
+            return pairs.index(dup, pairs.index(dup) + 1), f"trajectory {dup[0]!r} has two records for policy version {dup[1]}"
+        return None
 
 
 class SisStored(BaseModel):

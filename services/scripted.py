@@ -16,6 +16,7 @@ the rule's `fallback` instead, so a demonstration only answers from what was act
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from sisrl.services.agent import CORRECTIVE, INFO_CLOSE, INFO_OPEN
 from sisrl.services.engines.base import MIN_LOGPROB, Engine, Generation, SamplingParams
+from sisrl.services.engines.pool import for_trajectory
 from transformers import PreTrainedTokenizerBase
 
 _QUESTION_MARK = "\nQuestion: "
@@ -145,8 +147,10 @@ class ScriptedEngine:
             ids.append(int(self.tokenizer.eos_token_id))
         if len(ids) > params.max_new_tokens:
             ids, finish = ids[: params.max_new_tokens], "length"
-        if self.base is not None:
-            await self.base.generate(prompt_ids, replace(params, max_new_tokens=len(ids), stop=()))
+        version = self.policy_version
+        if self.base is not None:  # the version of the server that ran this turn (a pool's servers may differ)
+            ran = await self.base.generate(prompt_ids, replace(params, max_new_tokens=len(ids), stop=()))
+            version = ran.policy_version
         k = params.logprobs_k
         return Generation(
             token_ids=ids,
@@ -154,8 +158,17 @@ class ScriptedEngine:
             topk_ids=[[tok] + [(tok + j) % self._vocab for j in range(1, k)] for tok in ids],
             topk_logprobs=[[0.0] + [MIN_LOGPROB] * (k - 1) for _ in ids],
             finish_reason=finish,
-            policy_version=self.policy_version,
+            policy_version=version,
         )
+
+    def for_trajectory(self) -> ScriptedEngine:
+        """This engine over the base engine's view for one trajectory (a pool keeps it on one server)."""
+        base = for_trajectory(self.base) if self.base is not None else None
+        if base is self.base:
+            return self
+        view = copy.copy(self)
+        view.base = base
+        return view
 
     async def load_weights(self, path: str, version: int) -> None:
         if self.base is not None:

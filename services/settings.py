@@ -30,7 +30,10 @@ class GatewaySettings(BaseSettings):
     dtype: str = Field(default="auto", description="engine dtype: auto (local: bfloat16 only where native: CUDA, "
                        "or a CPU with amx_bf16/avx512_bf16, else float32; vllm in process: vLLM's choice) | "
                        "float32 | bfloat16 | float16 (vllm-http: the server's --dtype)")
-    engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http)")
+    engine_url: str | None = Field(default=None, description="base URL of the vLLM server (engine vllm-http); "
+                                   "several, comma-separated, form a pool: each trajectory stays on one server "
+                                   "(least loaded at its first turn), a failing one is skipped and probed back, "
+                                   "every one loads each new policy")
     engine_api_key: SecretStr | None = Field(default=None, description="bearer token the vllm-http engine sends "
                                              "(the server's --api-key / SISRL_ENGINE_API_TOKEN; unset = none)")
     engine_weights_route: str = Field(default="/v1/load_weights", description="vllm-http weight-load route: "
@@ -96,11 +99,21 @@ class GatewaySettings(BaseSettings):
             split_urls(self.retriever_url)
         except ValueError as exc:
             raise ValueError(f"retriever_url: {exc}") from None
+        if self.engine_url is not None:
+            try:
+                split_urls(self.engine_url, what="engine")
+            except ValueError as exc:
+                raise ValueError(f"engine_url: {exc}") from None
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")
         if self.api_token is not None and len(self.api_token.get_secret_value()) < 8:
             raise ValueError("api_token: expected at least 8 characters")
         return self
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """`engine_url` split at commas ([] when unset)."""
+        return split_urls(self.engine_url, what="engine") if self.engine_url else []
 
     @property
     def after_weights_routes(self) -> tuple[str, ...]:

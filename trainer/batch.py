@@ -163,7 +163,8 @@ def collate(trajs: list[Trajectory], *, pad_id: int, k: int) -> RolloutBatch:
         for t, (ids, lps) in enumerate(zip(tr.topk_ids, tr.topk_logprobs, strict=True)):
             if tr.loss_mask[t] and len(ids) < k:
                 raise ValueError(f"trajectory {tr.id}: policy token {t} has a top-K row of {len(ids)} entries, "
-                                 f"fewer than K={k} (algorithm.topk); ask the gateway for logprobs_k >= {k}")
+                                 f"fewer than K={k} (algorithm.logprobs_k); ask the gateway for "
+                                 f"sampling.logprobs_k >= {k}")
             if tr.loss_mask[t]:
                 topk_ids[i, t] = torch.tensor(ids[:k], dtype=torch.long)
                 topk_logq[i, t] = torch.tensor(lps[:k], dtype=torch.float32)

@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from sisrl.trainer.config import ConfigError, RolloutConfig, describe_fields, load_config
+from sisrl.trainer.config import AlgorithmConfig, ConfigError, RolloutConfig, describe_fields, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float, default=0.01, help="sampling temperature (the gateway needs > 0)")
     e.add_argument("--max-new-tokens", type=int, default=RolloutConfig().max_new_tokens, help="tokens per turn")
     e.add_argument("--max-turns", type=int, default=RolloutConfig().max_turns, help="search turns at most")
-    e.add_argument("--topk", type=int, default=20, help="behaviour top-K the gateway records")
+    e.add_argument("--logprobs-k", type=int, default=AlgorithmConfig().logprobs_k,
+                   help="K of the behaviour top-K the gateway records (algorithm.logprobs_k; not passages per search)")
     p = sub.add_parser("plot", help="PNG curves of RUN_DIR/metrics.jsonl into RUN_DIR/plots", formatter_class=fmt)
     p.add_argument("run_dir", type=Path, help="a run directory holding metrics.jsonl")
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
@@ -108,7 +109,7 @@ def _eval(args: argparse.Namespace) -> int:
     client = GatewayClient(args.gateway_url, token=args.api_token)
     client.push_policy(hf_dir.resolve(), version)
     result = evaluate(client, items, run=f"eval-{hf_dir.parent.name}", step=version, version=version, cfg=rollout,
-                      k=args.topk, seed=0, temperature=args.temperature)
+                      k=args.logprobs_k, seed=0, temperature=args.temperature)
     for key, value in result.items():
         print(f"{key:32s} {value:8.4f}")
     return 0

@@ -1,7 +1,8 @@
 """The one typed configuration of `sisrl-train` (YAML, validated by pydantic at start, never mutated).
 
 Every field has a default and a one-line description (`sisrl-train config` prints them all).
-Unknown keys and bad values raise `ConfigError` naming the dotted key (`algorithm.staleness: ...`).
+Unknown keys and bad values raise `ConfigError` naming the dotted key (`algorithm.staleness: ...`); a renamed key
+names its new one (`RENAMED_KEYS`).
 Derived sizes (rollout batch, mini-batch size) are computed where they are used, never written back.
 """
 
@@ -70,7 +71,7 @@ class RolloutConfig(_Section):
 class AlgorithmConfig(_Section):
     loss: Literal["grpo", "dapo", "gspo", "grpo_noclip"] = Field(default="grpo", description="policy loss registered in trainer/losses.py")
     ratio: Literal["is", "sis", "tis", "icepop"] = Field(default="sis", description="importance ratio strategy")
-    topk: int = Field(default=20, ge=1, le=MAX_LOGPROBS_K, description=f"K: size of the behaviour top-K set V_K (also the logprobs the gateway records; at most {MAX_LOGPROBS_K})")
+    logprobs_k: int = Field(default=20, ge=1, le=MAX_LOGPROBS_K, description=f"K: size of the behaviour top-K set V_K (the gateway's sampling.logprobs_k; at most {MAX_LOGPROBS_K})")
     behaviour: Literal["rollout", "recompute"] = Field(default="rollout", description="where q comes from: engine-recorded log-probs, or a no-grad forward of the rollout weights")
     staleness: int = Field(default=4, ge=1, description="N: mini-batch updates per rollout batch")
     clip_low: float | None = Field(default=None, ge=0, description="PPO clip epsilon below 1 (None = the loss's default: 0.2; gspo 3e-4)")
@@ -166,11 +167,20 @@ class TrainConfig(_Section):
         return self
 
 
+# Keys that were renamed: an old config fails naming the new key, not with a bare "unknown key".
+RENAMED_KEYS = {
+    "algorithm.topk": "algorithm.topk was renamed algorithm.logprobs_k (K of the behaviour top-K; "
+                      "the gateway's topk is passages per search)",
+}
+
+
 def _format_errors(err: ValidationError, where: str) -> str:
     lines = [f"invalid config {where}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and key in RENAMED_KEYS:
+            lines.append(f"  {RENAMED_KEYS[key]}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")

@@ -107,7 +107,7 @@ def evaluate_stage(client: GatewayClient, cfg: TrainConfig, name: str, version: 
     items = [it for path in cfg.data.eval for it in load_items(path, limit=cfg.data.eval_limit)]
     t0 = time.perf_counter()
     out = evaluate(client, items, run=f"demo-eval-{name}", step=version, version=version, cfg=cfg.rollout,
-                   k=cfg.algorithm.topk, seed=cfg.seed)
+                   k=cfg.algorithm.logprobs_k, seed=cfg.seed)
     by_source = ", ".join(f"{k.removeprefix('eval/em/')} {v:.3f}" for k, v in out.items() if k.startswith("eval/em/"))
     say(f"      test EM {name}: {out['eval/em']:.3f} ({by_source}); searches/traj "
         f"{out['eval/searches_per_traj']:.2f} ({time.perf_counter() - t0:.0f}s)")
@@ -171,8 +171,9 @@ def train_and_evaluate(cfg: TrainConfig, client: GatewayClient, workdir: Path, s
     client.push_policy(sft.path.resolve(), 0)  # RL starts from the warm start as policy version 0
     after_sft = evaluate_stage(client, cfg, "after_sft", 0)
     rl_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(sft.path)})})
-    say(f"[6/7] RL {cfg.total_steps} steps: {cfg.algorithm.loss} + {cfg.algorithm.ratio} (K={cfg.algorithm.topk}, "
-        f"N={cfg.algorithm.staleness}), {cfg.rollout.prompts_per_step} questions x {cfg.rollout.samples_per_prompt} samples")
+    say(f"[6/7] RL {cfg.total_steps} steps: {cfg.algorithm.loss} + {cfg.algorithm.ratio} "
+        f"(K={cfg.algorithm.logprobs_k}, N={cfg.algorithm.staleness}), {cfg.rollout.prompts_per_step} questions x "
+        f"{cfg.rollout.samples_per_prompt} samples")
     history = train(rl_cfg)
     after_rl = evaluate_stage(client, cfg, "after_rl", cfg.total_steps)
     checkpoints = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))

@@ -73,9 +73,10 @@ def build_sampler(cfg: TrainConfig) -> MixtureSampler | None:
 
 def build_source(cfg: TrainConfig, model: torch.nn.Module, vocab_size: int) -> RolloutSource:
     if cfg.rollout.source == "synthetic":
-        return SyntheticSource(unwrap(model), cfg.rollout, k=cfg.algorithm.topk, seed=cfg.seed, vocab_size=vocab_size)
+        return SyntheticSource(unwrap(model), cfg.rollout, k=cfg.algorithm.logprobs_k, seed=cfg.seed,
+                               vocab_size=vocab_size)
     client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token)
-    return GatewaySource(client, cfg.rollout, run=run_name(Path(cfg.run_dir), cfg.seed), k=cfg.algorithm.topk,
+    return GatewaySource(client, cfg.rollout, run=run_name(Path(cfg.run_dir), cfg.seed), k=cfg.algorithm.logprobs_k,
                          seed=cfg.seed)
 
 
@@ -182,7 +183,7 @@ def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
     t0 = time.perf_counter()
     trajs = _rollouts(s.ctx, s.source, s.sampler, cfg, s.step, s.version)
     t1 = time.perf_counter()
-    b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.topk).to(s.ctx.device)
+    b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.logprobs_k).to(s.ctx.device)
     records: list[TokenRecord] | None = [] if cfg.sis_records and isinstance(s.source, GatewaySource) else None
     metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator, records), s.ctx)
     if records:
@@ -247,7 +248,7 @@ def _evaluate(cfg: TrainConfig, source: GatewaySource, step: int, version: int) 
     if not items:
         return {}
     return evaluate(source.client, items, run=source.run, step=step, version=version, cfg=cfg.rollout,
-                    k=cfg.algorithm.topk, seed=cfg.seed)
+                    k=cfg.algorithm.logprobs_k, seed=cfg.seed)
 
 
 def _push_weights(cfg: TrainConfig, s: Session) -> None:

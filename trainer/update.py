@@ -232,7 +232,7 @@ def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator,
         return _summarise([batch_metrics], skipped=0, updates=0)
     micro = u.optim.micro_batch_size or b.size
     if u.algo.behaviour == "recompute":
-        b = recompute_behaviour(u.model, b, k=u.algo.topk, temperature=u.temperature, chunk_size=u.chunk_size,
+        b = recompute_behaviour(u.model, b, k=u.algo.logprobs_k, temperature=u.temperature, chunk_size=u.chunk_size,
                                 autocast=u.autocast, micro=micro)
     all_metrics: list[Metrics] = [batch_metrics]
     skipped = 0

@@ -79,7 +79,9 @@ def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
 
 
 @router.post("", response_model=BatchCreated, summary="Submit a batch of rollouts",
-             responses={409: {"description": "idempotency_key already used for another request"},
+             responses={400: {"description": "a body the schema accepts but that cannot run (item ids repeat), or "
+                                             "one that cannot be parsed"},
+                        409: {"description": "idempotency_key already used for another request"},
                         413: {"description": "more trajectories than max_pending in one batch"},
                         429: {"description": "the gateway has max_pending trajectories queued; retry after Retry-After"},
                         **STORE_ONLY_RESPONSE})
@@ -87,6 +89,9 @@ async def create_rollouts(body: RolloutCreate, state: StateDep, live: LiveDep) -
     """Start `samples_per_item` trajectories per item. A repeated `idempotency_key` never duplicates work, on
     this gateway or any other on the same store: it returns the same batch, and an interrupted batch runs only
     its missing samples."""
+    why = body.rule_error()
+    if why is not None:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, detail=why)
     if body.policy_version != live.engine.policy_version:
         log.warning("batch for run %s step %d expects policy version %d, the engine has %d", body.run, body.step,
                     body.policy_version, live.engine.policy_version)

@@ -14,8 +14,10 @@ router = APIRouter(prefix="/v1/sis_records", tags=["sis"])
 @router.post("", response_model=SisStored, summary="Store SIS records (one per trajectory and policy version)",
              responses={413: {"description": f"more than {MAX_SIS_RECORDS} records, or a body over the size limit"},
                         404: {"description": "a record names a trajectory the store does not hold"},
-                        422: {"description": "invalid body, or a record that does not fit its trajectory (run, "
-                                             "length, a decision on an inserted token); nothing is stored then"}})
+                        400: {"description": "a record that breaks a rule the schema cannot state: arrays of "
+                                             "different lengths, two records for one (trajectory, version), or one "
+                                             "that does not fit its trajectory (run, length, a decision on an "
+                                             "inserted token); nothing is stored then"}})
 def post_sis_records(body: SisRecordsCreate, session: SessionDep) -> SisStored:
     """Each record holds, per response token, the status (1 accepted, 0 rejected, 2 outside V_K, -1 not a policy
     token), the ratio used, log pi and log M_t, plus the advantage and the policy version. A record for a
@@ -24,11 +26,18 @@ def post_sis_records(body: SisRecordsCreate, session: SessionDep) -> SisStored:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
                             detail=f"{len(body.records)} records in one request, the limit is {MAX_SIS_RECORDS}: "
                                    "split the list (GatewayClient.post_sis_records does)")
+    rule = body.rule_error()
+    if rule is not None:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, detail=_detail(rule[0], rule[1]))
     try:
         stored, replaced = sis_store.put_records(session=session, run=body.run, step=body.step, records=body.records)
     except sis_store.UnknownTrajectory as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=str(exc)) from exc
-    except sis_store.RecordMismatch as exc:  # shaped like FastAPI's own 422, as the schema documents
-        detail = [{"loc": ["body", "records", exc.index], "msg": str(exc), "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=detail) from exc
+    except sis_store.RecordMismatch as exc:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, detail=_detail(exc.index, str(exc))) from exc
     return SisStored(run=body.run, step=body.step, stored=stored, replaced=replaced)
+
+
+def _detail(index: int, why: str) -> list[dict[str, object]]:
+    """Shaped like FastAPI's validation detail, with the record's index in `loc`."""
+    return [{"loc": ["body", "records", index], "msg": why, "type": "value_error"}]

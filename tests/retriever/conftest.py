@@ -113,26 +113,53 @@ class Server:
 
 def start_server(index: Path, log: Path, *extra: str, timeout: float = 180.0) -> Server:
     """`sisrl-retriever serve` as a subprocess on a free loopback port; returns once /health answers."""
-    port = free_port()
+    (server,) = start_servers([(index, log, extra)], timeout=timeout)
+    return server
+
+
+def start_servers(specs: list[tuple[Path, Path, tuple[str, ...]]], timeout: float = 180.0) -> list[Server]:
+    """Several servers `(index, log, extra options)` started at once: their start-ups (mostly imports, one core
+    each) overlap instead of adding up."""
     started = time.perf_counter()
-    service = launch_module("retriever", "sisrl.retriever.cli",
-                            ["serve", "--index", str(index), "--port", str(port), "--log-level", "warning",
-                             "--torch-threads", "1", *extra], port=port, log=log)
-    wait_healthy(service, timeout_s=timeout)
-    return Server(service.url, service.process, time.perf_counter() - started, log)
+    services = []
+    for index, log, extra in specs:
+        port = free_port()
+        services.append(launch_module("retriever", "sisrl.retriever.cli",
+                                      ["serve", "--index", str(index), "--port", str(port), "--log-level", "warning",
+                                       "--torch-threads", "1", *extra], port=port, log=log))
+    wait_healthy(*services, timeout_s=timeout)
+    seconds = time.perf_counter() - started
+    return [Server(s.url, s.process, seconds, log) for s, (_, log, _) in zip(services, specs, strict=True)]
 
 
 def stop_server(server: Server) -> None:
     stop_process(server.process)
 
 
+TOKEN = "retriever-test-token"
+
+
 @pytest.fixture(scope="session")
-def minilm_server(minilm_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A real uvicorn server on the MiniLM index with small limits, so the 4xx paths are cheap to reach."""
-    log = tmp_path_factory.mktemp("logs") / "minilm_server.log"
-    server = start_server(minilm_index, log, "--max-queries", "64", "--max-body-bytes", "65536")
-    yield server
-    stop_server(server)
+def minilm_servers(minilm_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    """Two real uvicorn servers on the MiniLM index, started together: one open with small limits (so the 4xx
+    paths are cheap to reach), one requiring the bearer token TOKEN."""
+    logs = tmp_path_factory.mktemp("logs")
+    servers = start_servers([(minilm_index, logs / "minilm_server.log", ("--max-queries", "64", "--max-body-bytes",
+                                                                          "65536")),
+                             (minilm_index, logs / "token_server.log", ("--api-token", TOKEN))])
+    yield servers[0], servers[1]
+    for server in servers:
+        stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def minilm_server(minilm_servers: tuple[Server, Server]) -> Server:
+    return minilm_servers[0]
+
+
+@pytest.fixture(scope="session")
+def token_server(minilm_servers: tuple[Server, Server]) -> Server:
+    return minilm_servers[1]
 
 
 # The E5 subset: every gold passage of nq/dev (one question's gold passages are the other questions' hard

@@ -5,7 +5,6 @@ schema-valid requests accepted and schema-violating ones rejected)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,16 +12,7 @@ import pytest
 
 from tests.conftest import run_schemathesis
 
-from .conftest import Server, start_server, stop_server
-
-TOKEN = "retriever-test-token"
-
-
-@pytest.fixture(scope="module")
-def token_server(minilm_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(minilm_index, tmp_path_factory.mktemp("logs") / "token_server.log", "--api-token", TOKEN)
-    yield server
-    stop_server(server)
+from .conftest import TOKEN, Server
 
 
 def test_the_schema_is_true_without_a_token(minilm_server: Server) -> None:

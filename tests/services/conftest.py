@@ -1,5 +1,5 @@
 """Fixtures of the gateway tests: a tiny policy on disk, a real retriever over shared passages, gateways
-started as real uvicorn subprocesses on free loopback ports, and a private PostgreSQL server (tests/services/pg.py)."""
+started as real uvicorn subprocesses on free loopback ports, and a private PostgreSQL server (sisrl.services.pg_cluster)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import httpx
 import pytest
 import torch
 from sisrl.common.procs import free_port, launch_module, stop_process, wait_healthy
-
-from tests.services.pg import Cluster, Unavailable, start_cluster
+from sisrl.services.pg_cluster import Cluster, Unavailable, start_cluster
 
 GATEWAY_TOKEN = "test-token-123456"
 NQ_QUESTIONS = 6  # nq/dev questions whose gold passages go into the small index
@@ -190,6 +189,54 @@ def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactor
     wait_healthy(service, timeout_s=STARTUP_S)
     yield PolicyServer(url=service.url, checkpoint_root=root, log=log, process=service.process)
     service.stop()
+
+
+ENGINE_TOKEN = "engine-token-123456"
+
+
+@dataclass
+class SecondPolicyServer:
+    """A second policy server (restartable on its port), requiring the bearer token ENGINE_TOKEN: its own
+    checkpoint root, so a checkpoint can exist for one server and not the other (tests/services/test_engine_pool.py)."""
+
+    model: Path
+    root: Path
+    log: Path
+    port: int
+    process: subprocess.Popen[bytes] | None = None
+    token: str = ENGINE_TOKEN
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        service = launch_module(
+            "policy server B", "sisrl.services.engines.openai_server",
+            ["--model", str(self.model), "--port", str(self.port), "--checkpoint-root", str(self.root),
+             "--max-tokens", "16", "--log-level", "warning", "--threads", "1"],
+            port=self.port, log=self.log, env={"SISRL_ENGINE_API_TOKEN": self.token})
+        wait_healthy(service, timeout_s=STARTUP_S)
+        self.process = service.process
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
+
+
+@pytest.fixture(scope="session")
+def policy_server_b(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondPolicyServer]:
+    tmp = tmp_path_factory.mktemp("policy_server_b")
+    (tmp / "root").mkdir()
+    second = SecondPolicyServer(model=tiny_policy_dir, root=tmp / "root", log=tmp / "server.log", port=free_port())
+    second.start()
+    yield second
+    second.stop()
 
 
 @pytest.fixture(scope="session")

@@ -111,4 +111,7 @@ def test_request_limits(local_gateway: Any, make_body: Callable[..., dict[str, A
     response = client.post("/v1/rollouts", json=make_body(unknown))
     assert response.status_code == 422 and "unknown data_source 'trivia'" in response.text
     duplicate = [{"id": "q", "question": "x", "golden_answers": ["a"], "data_source": "nq"}] * 2
-    assert "repeats" in client.post("/v1/rollouts", json=make_body(duplicate)).text
+    repeated = client.post("/v1/rollouts", json=make_body(duplicate))  # schema-valid, so a 400 (not a 422)
+    assert repeated.status_code == 400 and "'q' repeats" in repeated.json()["detail"], repeated.text
+    as_text = make_body([{"id": "q", "question": "x", "golden_answers": ["a"], "data_source": "nq"}], step="3")
+    assert client.post("/v1/rollouts", json=as_text).status_code == 422  # strict: "3" is not an integer

@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from sisrl.services.pg_cluster import Cluster
 from sisrl.services.schemas import RolloutCreate
-
-from tests.services.pg import Cluster
 
 
 def _body(**item: Any) -> dict[str, Any]:

@@ -80,16 +80,16 @@ def test_refusals_name_the_reason_and_store_nothing(store_only_gateway: Any, vie
     refused([good, {**good, "trajectory_id": "no-such-id", "policy_version": 1}], 404,
             "trajectory 'no-such-id' not found")
     short = {**good, **{k: good[k][:-1] for k in ("status", "ratio", "logp", "log_m")}, "policy_version": 8}
-    refused([good, short], 422, f"the record has {n - 1} entries per array, the trajectory has {n} response tokens")
+    refused([good, short], 400, f"the record has {n - 1} entries per array, the trajectory has {n} response tokens")
     inserted = traj["loss_mask"].index(0)
     on_inserted = {**good, "status": [*good["status"][:inserted], 1, *good["status"][inserted + 1:]], "policy_version": 9}
-    refused([good, on_inserted], 422, f"response token {inserted} was inserted by the environment (loss mask 0)")
-    refused([good], 422, f"belongs to run '{RUN}', not 'other-run'", run="other-run")
-    refused([{**good, "ratio": good["ratio"][:-1]}], 422, "per-token arrays differ in length")
+    refused([good, on_inserted], 400, f"response token {inserted} was inserted by the environment (loss mask 0)")
+    refused([good], 400, f"belongs to run '{RUN}', not 'other-run'", run="other-run")
+    refused([{**good, "ratio": good["ratio"][:-1]}], 400, "per-token arrays differ in length")
     as_inf = {**good, "logp": [*good["logp"][:-1], 1e39]}  # 1e39 would be inf as float32
     refused([as_inf], 422, f'"loc":["body","records",0,"logp",{n - 1}],"msg":"Input should be less than or equal to')
     refused([good, {**good, "seed": 1}], 422, "Extra inputs are not permitted")
-    refused([good, good], 422, f"trajectory '{traj['id']}' has two records for policy version 7")
+    refused([good, good], 400, f"trajectory '{traj['id']}' has two records for policy version 7")
     tiny = [{"trajectory_id": traj["id"], "policy_version": v, "advantage": 0.0, "status": [], "ratio": [],
              "logp": [], "log_m": []} for v in range(MAX_SIS_RECORDS + 1)]
     refused(tiny, 413, f"{MAX_SIS_RECORDS + 1} records in one request, the limit is {MAX_SIS_RECORDS}")

@@ -1,4 +1,4 @@
-"""The rollout store on a real SQLite file and on a real PostgreSQL server (tests/services/pg.py), the same
+"""The rollout store on a real SQLite file and on a real PostgreSQL server (sisrl.services.pg_cluster), the same
 tests on both: exact round trip, compact arrays, filters, cursor pages, stats, SIS records; and what lets
 several gateways share one store: the unique keys decide concurrent writers, batch claims (advisory locks on
 PostgreSQL) have one owner and die with its connection, and replicas can create the schema at the same time."""

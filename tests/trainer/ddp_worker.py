@@ -34,7 +34,7 @@ CASES: dict[str, dict[str, dict[str, object]]] = {
 def case_config(case: str, strategy: str) -> TrainConfig:
     tree = {"rollout": {"source": "synthetic", "prompts_per_step": 4, "samples_per_prompt": 2},
             "model": {"path": "tiny"}, "device": "cpu", "distributed": {"strategy": strategy},
-            "algorithm": {"staleness": 1, "topk": 8, "loss": "grpo"}, "optim": {"grad_clip": None}}
+            "algorithm": {"staleness": 1, "logprobs_k": 8, "loss": "grpo"}, "optim": {"grad_clip": None}}
     for section, values in CASES[case].items():
         tree[section] = {**tree.get(section, {}), **values}  # type: ignore[dict-item]
     return config_from_dict(tree)
@@ -51,7 +51,7 @@ def one_update(case: str, trajs: list[Trajectory], strategy: str) -> dict[str, t
     scheduler = build_scheduler(optimizer, cfg.optim, 1)
     u = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,
                 temperature=1.0, rank=ctx.rank, world=ctx.world)
-    b = collate(trajs, pad_id=int(tok.pad_token_id), k=cfg.algorithm.topk)
+    b = collate(trajs, pad_id=int(tok.pad_token_id), k=cfg.algorithm.logprobs_k)
     train_on_batch(u, b, torch.Generator().manual_seed(0))
     inner = getattr(model, "module", model)
     # full_tensor() gathers FSDP2 shards (a collective, so every rank calls it)

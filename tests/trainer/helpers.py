@@ -23,7 +23,7 @@ def synthetic_config(run_dir: Path, **sections: Any) -> TrainConfig:
         "model": {"path": "tiny"},
         "rollout": {"source": "synthetic", "prompts_per_step": 4, "samples_per_prompt": 8,
                     "synthetic_response_len": 6, "synthetic_target_frac": 0.25, "temperature": 1.0},
-        "algorithm": {"loss": "grpo", "ratio": "sis", "topk": 8, "staleness": 4},
+        "algorithm": {"loss": "grpo", "ratio": "sis", "logprobs_k": 8, "staleness": 4},
         "optim": {"lr": 3e-2, "grad_clip": 1.0},
     }
     return config_from_dict(_merge(base, sections))

@@ -55,11 +55,36 @@ def test_contract_rules_are_checked_at_load() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.top_p=0\.9: gateway rollouts need top_p 1\.0"):
         config_from_dict({**train, "rollout": {"top_p": 0.9}})
     assert config_from_dict({"rollout": {"source": "synthetic", "top_p": 0.9}}).rollout.top_p == 0.9
-    with pytest.raises(ConfigError, match=r"algorithm\.topk: Input should be less than or equal to 100"):
-        config_from_dict({**train, "algorithm": {"topk": 101}})
+    with pytest.raises(ConfigError, match=r"algorithm\.logprobs_k: Input should be less than or equal to 100"):
+        config_from_dict({**train, "algorithm": {"logprobs_k": 101}})
     from sisrl.common.wire import GATEWAY_URL
 
     assert config_from_dict(train).rollout.gateway_url == GATEWAY_URL == "http://127.0.0.1:8100"
+
+
+RENAMED_TOPK = ("algorithm.topk was renamed algorithm.logprobs_k (K of the behaviour top-K; "
+                "the gateway's topk is passages per search)")
+
+
+def test_the_old_topk_key_names_its_new_name(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  source: synthetic\nalgorithm:\n  topk: 8\n")
+    with pytest.raises(ConfigError) as from_yaml:
+        load_config(path)
+    with pytest.raises(ConfigError) as from_override:
+        load_config(None, ["rollout.source=synthetic", "algorithm.topk=8"])
+    for err in (from_yaml, from_override):
+        assert RENAMED_TOPK in str(err.value) and "unknown key" not in str(err.value)
+    path.write_text(path.read_text().replace("topk", "logprobs_k"))
+    assert load_config(path).algorithm.logprobs_k == 8
+    # only the trainer's old key is special: a topk in another section is just unknown
+    with pytest.raises(ConfigError, match=r"rollout\.topk: unknown key"):
+        load_config(path, ["rollout.topk=3"])
+
+
+def test_cli_names_the_renamed_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["train", "--set", "rollout.source=synthetic", "--set", "algorithm.topk=8"]) == 2
+    assert RENAMED_TOPK in capsys.readouterr().err
 
 
 def test_the_api_token_is_never_written_out() -> None:

@@ -53,7 +53,7 @@ def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Servi
                     "max_new_tokens": 12, "max_turns": 2, "timeout_s": 240, "poll_interval_s": 0.2},
         # A random tiny policy earns reward 0 everywhere (all advantages 0); the entropy bonus makes the update
         # move the weights regardless, so the test can see new weights reach the gateway.
-        "algorithm": {"loss": "grpo", "ratio": "sis", "topk": 5, "staleness": 2, "entropy_coef": 0.01},
+        "algorithm": {"loss": "grpo", "ratio": "sis", "logprobs_k": 5, "staleness": 2, "entropy_coef": 0.01},
         "optim": {"lr": 1e-3},
     })
     torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def test_eval_exports_a_checkpoint_and_reports_em_per_source(servers: tuple[Path
     _, run_dir, gateway, test_file = servers
     ckpt = run_dir / "checkpoints" / "step_000001"
     assert cli_main(["eval", "--checkpoint", str(ckpt), "--data", str(test_file), "--gateway-url", gateway.url,
-                     "--limit", "3", "--max-new-tokens", "8", "--max-turns", "1", "--topk", "5"]) == 0
+                     "--limit", "3", "--max-new-tokens", "8", "--max-turns", "1", "--logprobs-k", "5"]) == 0
     out = capsys.readouterr().out
     assert "eval/em/" in out and "eval/count/" in out
     assert (ckpt / "hf" / "model.safetensors").is_file()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from sisrl.common.http import ServiceMiddleware
@@ -47,4 +48,22 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
         app.include_router(module.router, dependencies=[TokenDep])
     app.include_router(health.metrics_router, dependencies=[TokenDep])
     fit_openapi(app, token_set=settings.api_token is not None)
+    _state_the_caps(app, settings)
     return app
+
+
+def _state_the_caps(app: FastAPI, settings: ServerSettings) -> None:
+    """The served schema carries this server's `--max-tokens` and `--max-logprobs` as the fields' maxima, so a
+    body the document calls valid is not refused for them."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+        for name, cap in (("max_tokens", settings.max_tokens), ("logprobs", settings.max_logprobs)):
+            for variant in fields[name].get("anyOf", [fields[name]]):
+                if variant.get("type") == "integer":
+                    variant["maximum"] = cap
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,9 +1,10 @@
-"""A private PostgreSQL cluster for the tests: `initdb` in a temp dir, `pg_ctl start` on a free loopback port,
-one fresh database per test, `pg_ctl stop` and removal at the end. No server binary: the tests skip, saying so.
+"""A throwaway PostgreSQL cluster for tests and benchmarks: `initdb` in a temp dir, `pg_ctl start` on a free
+loopback port, fresh databases on demand, `pg_ctl stop` and removal at the end. No server binary: `Unavailable`
+(the tests skip, saying so). Never for data you keep: durability is off.
 
 PostgreSQL refuses to run as root, so as root the server commands run as the `postgres` OS user (`runuser`)
 in a directory handed to that user. Durability is switched off (fsync, synchronous_commit, full_page_writes):
-a test cluster is thrown away, and these make it several times faster on a shared machine.
+the cluster is thrown away, and these make it several times faster on a shared machine.
 """
 
 from __future__ import annotations

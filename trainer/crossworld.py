@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -52,10 +51,7 @@ def cross_world_eval(args: argparse.Namespace) -> dict[str, float]:
 
     workdir: Path = args.workdir or Path(f"runs/world-{args.seed}")
     data = write_demo_data(workdir / "data", seed=args.seed, people=args.people, towns=args.towns)
-    index = workdir / "index"
-    if not (index / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "sisrl.retriever.cli", "build", "--corpus", str(data["corpus"]),
-                        "--out", str(index), "--encoder", args.encoder], check=True)
+    index = workdir / "index"  # the retriever builds it from the corpus on its first start (kept for later runs)
     if args.script:
         model = workdir / "tokenizer"
         load_tokenizer().save_pretrained(model)  # the scripted engine needs only the policy's tokenizer

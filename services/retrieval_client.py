@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from sisrl.services.outage import mark_down
 
 log = logging.getLogger(__name__)
 
@@ -164,14 +165,7 @@ class RetrievalClient:
         return min(up, key=lambda ep: ep.in_flight) if up else None
 
     def _mark_down(self, ep: Endpoint, reason: str) -> None:
-        """Out for `down_s`, doubled (up to 8x) each time it fails again after its time was up; requests that
-        were in flight when it went down do not extend it."""
-        ep.last_error = reason
-        now = time.monotonic()
-        if ep.down and ep.down_until > now:
-            return
-        ep.failures += 1
-        ep.down_until = now + self.down_s * min(2 ** (ep.failures - 1), 8)
+        mark_down(ep, reason, self.down_s)  # services/outage.py
 
     async def _probe(self, ep: Endpoint) -> bool:
         try:

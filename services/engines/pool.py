@@ -206,7 +206,7 @@ class EnginePool:
         until = min([deadline, *due]) if due else deadline
         try:
             await asyncio.wait_for(self._changed.wait(), timeout=max(0.01, until - time.monotonic()))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             pass
 
     async def _call(self, server: Server, prompt_ids: list[int], params: SamplingParams) -> Generation:

@@ -4,10 +4,16 @@ What it reproduces (from Search-R1's `search_r1/search/retrieval_server.py`, fac
 - a plain `def` FastAPI handler (run in FastAPI's thread pool) that calls `batch_search` directly;
 - every query of every request is encoded, in batches of `retrieval_batch_size` (512): no dedupe, no cache,
   no coalescing of concurrent requests;
+- its encoder is plain transformers: `AutoTokenizer(use_fast=True)` + `AutoModel`, each batch tokenised in
+  request order with `padding=True, truncation=True, max_length=256` (padded to its longest query, no length
+  sorting), one forward pass, attention-masked mean pooling, L2 normalisation, float32 numpy; the e5 prefix
+  `query: ` before each query;
 - after `index.search`, passages are fetched with a Python loop over the row ids (`load_docs`) from the corpus
   loaded with `datasets.load_dataset("json", ...)`; the response is a dict FastAPI encodes itself.
-The encoder (prefixes, pooling, dtype) and the FAISS file are the ones the index manifest names, so recall must
-equal sisrl's within float noise.
+The model, its prefix and the FAISS file are the ones the index manifest names, so recall must equal sisrl's
+within float noise. Checked against the real Search-R1 server (issue 12, same 3,000-passage index, AMD EPYC):
+256 unique queries per request 31.9 q/s there; this baseline's figure is printed beside sisrl's by
+bench/retriever.py.
 
     python bench/baseline_retriever.py --index DIR --port 8001
 """
@@ -22,12 +28,12 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
-from sisrl.retriever.encoder import Encoder, load_encoder
+from sisrl.retriever.encoder import resolve_model
 from sisrl.retriever.index import load_faiss
 from sisrl.retriever.manifest import load_manifest
-from sisrl.retriever.searcher import SearcherOptions, encoder_config
 
 RETRIEVAL_BATCH_SIZE = 512  # Search-R1's default retrieval_batch_size
+QUERY_MAX_LENGTH = 256  # Search-R1's default retrieval_query_max_length
 DEFAULT_TOPK = 3
 
 
@@ -48,10 +54,39 @@ def load_corpus(path: Path, cache_dir: Path) -> Any:
     return datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(cache_dir))
 
 
+class PlainEncoder:
+    """Search-R1's query encoder as it behaves: HF tokenizer + model, padded to the batch's longest, mean pooled."""
+
+    def __init__(self, model: str, prefix: str, dtype: str, device: str) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.torch = torch
+        self.device = "cuda" if device == "auto" and torch.cuda.is_available() else \
+            ("cpu" if device == "auto" else device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model, use_fast=True)
+        self.model = AutoModel.from_pretrained(model).eval().to(self.device)
+        if dtype == "float16":  # Search-R1's --use_fp16 (GPU)
+            self.model = self.model.half()
+        self.prefix = prefix
+
+    def encode_queries(self, queries: list[str]) -> Any:
+        torch = self.torch
+        inputs = self.tokenizer([self.prefix + q for q in queries], max_length=QUERY_MAX_LENGTH, padding=True,
+                                truncation=True, return_tensors="pt").to(self.device)
+        with torch.no_grad():
+            hidden = self.model(**inputs).last_hidden_state  # [batch, tokens, dim]
+            mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [batch, tokens, 1]
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1)
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled.float().cpu().numpy().astype("float32", order="C")
+
+
 class BaselineRetriever:
     def __init__(self, index_dir: Path, dtype: str, device: str) -> None:
         manifest = load_manifest(index_dir)
-        self.encoder: Encoder = load_encoder(encoder_config(manifest, SearcherOptions(dtype=dtype, device=device)))
+        self.encoder = PlainEncoder(resolve_model(manifest.encoder.model), manifest.encoder.query_prefix, dtype,
+                                    device)
         self.index = load_faiss(index_dir, count=manifest.count, dim=manifest.dim)
         self.corpus = load_corpus(index_dir / "docs.jsonl", index_dir.parent / f".{index_dir.name}-baseline-cache")
 

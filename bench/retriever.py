@@ -4,7 +4,9 @@ encoder, servers on loopback started one at a time so they never share the CPU.
 Workloads (issue 3):
   (a) batch:   requests of 256 unique queries (fresh questions every request);
   (b) rl:      requests of 64 questions x 5 copies (a GRPO group of 5 asks the same first query);
-  (c) clients: 8 concurrent clients sending one query per request for --seconds.
+  (c) clients: 8 concurrent clients sending one query per request for --seconds;
+  (d) many:    200 such clients (--many-clients) for --seconds: should cost what (a)'s batches cost
+               (target: req/s >= 0.8x the same server's (a) q/s, p99 <= 2x p50).
 Per workload: queries/s, p50 and p99 request latency, and each server's peak RSS (VmHWM). Ratios are
 sisrl / baseline for q/s and baseline / sisrl for latency. Then recall@k on nq/dev through each server; the
 baseline must match within 0.01 (same math).
@@ -136,6 +138,7 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
             "a_batch": run_batches(url, lambda: pool.take(256), args.requests),
             "b_rl": run_batches(url, lambda: rl_batch(pool), args.requests),
             "c_clients": run_clients(url, pool, args.clients, args.seconds),
+            "d_many": run_clients(url, pool, args.many_clients, args.seconds),
         }
         report = evaluate(load_questions(args.questions), http_retrieve(f"{url}/retrieve"))
         out["recall"] = report.as_dict()
@@ -148,7 +151,7 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
 def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
     yield f"{'workload':<22}{'server':<10}{'q/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'q/s x':>8}{'p99 x':>8}"
     for key, label in (("a_batch", "(a) 256 unique/req"), ("b_rl", "(b) 64 x 5 copies"),
-                       ("c_clients", "(c) 8 clients x 1")):
+                       ("c_clients", "(c) 8 clients x 1"), ("d_many", "(d) many clients x 1")):
         mine, theirs = ours[key], base[key]
         assert isinstance(mine, Result) and isinstance(theirs, Result)
         for name, r in (("sisrl", mine), ("baseline", theirs)):
@@ -156,6 +159,11 @@ def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
             ratio_p = f"{theirs.pct(0.99) / mine.pct(0.99):8.2f}" if name == "sisrl" else f"{'':8}"
             yield (f"{label if name == 'sisrl' else '':<22}{name:<10}{r.qps:9.1f}{r.pct(0.5) * 1000:10.0f}"
                    f"{r.pct(0.99) * 1000:10.0f}{ratio_q}{ratio_p}")
+    for name, d in (("sisrl", ours), ("baseline", base)):
+        a, many = d["a_batch"], d["d_many"]
+        assert isinstance(a, Result) and isinstance(many, Result)
+        yield (f"(d) {name}: req/s / (a) q/s = {many.qps / a.qps:.2f} (target >= 0.8); "
+               f"p99 / p50 = {many.pct(0.99) / many.pct(0.5):.2f} (target <= 2)")
     yield f"peak RSS MiB: sisrl {ours['peak_rss_mib']:.0f}, baseline {base['peak_rss_mib']:.0f}"
     for k in (1, 3, 10):
         key = f"eval/gold_recall@{k}"
@@ -170,6 +178,8 @@ def main() -> int:
                         help="questions for the recall check (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=30.0, help="duration of workload (c) (default: %(default)s)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients in (c) (default: %(default)s)")
+    parser.add_argument("--many-clients", type=int, default=200,
+                        help="concurrent clients in (d) (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
@@ -189,6 +199,9 @@ def main() -> int:
                                   str(args.encode_workers)], ours_url, pool, args, workdir)
     base = bench_server("baseline", [sys.executable, str(ROOT / "bench" / "baseline_retriever.py"), "--index",
                                      str(args.index), "--port", str(args.port + 1)], base_url, pool, args, workdir)
+    from sisrl.common.hardware import cpu_model
+
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; index {args.index}")
     for line in table(ours, base):
         print(line)
     if args.json_out:

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 def searcher_options(settings: Settings) -> SearcherOptions:
     return SearcherOptions(encoder=settings.encoder, dtype=settings.dtype, device=settings.device,
+                           backend=settings.backend, threads=settings.torch_threads,
                            encode_batch_size=settings.encode_batch_size, faiss_gpu=settings.faiss_gpu,
                            mmap_index=settings.mmap_index, nprobe=settings.nprobe, ef_search=settings.ef_search)
 
@@ -37,10 +38,6 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = time.perf_counter()
-        if settings.torch_threads:
-            import torch
-
-            torch.set_num_threads(settings.torch_threads)
         # A wrong or corrupt index raises here, so the server never starts listening (fail fast).
         try:
             searcher = open_searcher(settings.index, searcher_options(settings))

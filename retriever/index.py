@@ -105,6 +105,7 @@ def build_index(cfg: BuildConfig, encoder: Encoder, *, stop: threading.Event | N
         encoder_identity=dict(encoder.identity), dim=encoder.dim, count=count, index_type=cfg.index,
         index_params=params, corpus_path=str(cfg.corpus), corpus_sha256=str(state["sha256"]),
         corpus_skipped_lines=int(state["skipped"]), build_dtype=encoder.dtype,
+        build_backend=encoder.backend,
     ).save(cfg.out)
     logger.info("index of %d passages written to %s", count, cfg.out)
     return result

@@ -44,6 +44,7 @@ class Manifest:
     corpus_sha256: str
     corpus_skipped_lines: int
     build_dtype: str | None = None  # the dtype the passages were encoded in (`auto` resolved); None: older index
+    build_backend: str | None = None  # the encoder runtime of the build (torch | onnx); None: older index
     normalized: bool = True
     metric: str = "inner_product"
     format: str = FORMAT

@@ -64,5 +64,6 @@ class Health(BaseModel):
     index_type: str
     startup_seconds: float
     encoder_dtype: str = Field(description="dtype the query encoder runs in (`auto` resolved for this machine)")
+    encoder_backend: str = Field(description="runtime of the query encoder: torch | onnx (`auto` resolved)")
     faiss_version: str
     faiss_simd: str = Field(description="SIMD level of the loaded faiss build (e.g. AVX2, AVX512, NONE)")

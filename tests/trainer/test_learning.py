@@ -8,13 +8,12 @@ scores ~0.25, a trained one ~1. Measured on 2 shared CPU cores (seed 0): grpo/da
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-from sisrl.trainer.loop import train
 
-from tests.trainer.helpers import synthetic_config
+from tests.trainer.helpers import synthetic_config, train_side_by_side
+
+RUNS = {"grpo": {"loss": "grpo"}, "dapo": {"loss": "dapo"}, "gspo": {"loss": "gspo"},
+        "flipped": {"flip_advantage_sign": True}}
 
 
 def _rise(history: list[dict[str, float]]) -> float:
@@ -22,10 +21,16 @@ def _rise(history: list[dict[str, float]]) -> float:
     return sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2
 
 
+@pytest.fixture(scope="module")
+def histories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, float]]]:
+    """The four 12-step runs, two at a time on two cores (each is single-threaded: ~14 s here)."""
+    configs = [synthetic_config(tmp_path_factory.mktemp(name), algorithm=algorithm) for name, algorithm in RUNS.items()]
+    return dict(zip(RUNS, train_side_by_side(configs), strict=True))
+
+
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
-def test_reward_rises_with_sis_at_staleness_4(tmp_path: Path, loss: str) -> None:
-    torch.set_num_threads(1)
-    history = train(synthetic_config(tmp_path, algorithm={"loss": loss}))
+def test_reward_rises_with_sis_at_staleness_4(histories: dict[str, list[dict[str, float]]], loss: str) -> None:
+    history = histories[loss]
     assert len(history) == 12
     assert history[0]["actor/updates"] == 4.0
     assert 0.0 <= history[-1]["sis/accept_rate"] <= 1.0
@@ -33,7 +38,6 @@ def test_reward_rises_with_sis_at_staleness_4(tmp_path: Path, loss: str) -> None
     assert _rise(history) >= 0.5, [round(m["reward/mean"], 3) for m in history]
 
 
-def test_flipped_advantage_sign_does_not_learn(tmp_path: Path) -> None:
-    torch.set_num_threads(1)
-    history = train(synthetic_config(tmp_path, algorithm={"flip_advantage_sign": True}))
+def test_flipped_advantage_sign_does_not_learn(histories: dict[str, list[dict[str, float]]]) -> None:
+    history = histories["flipped"]
     assert _rise(history) < 0.0, [round(m["reward/mean"], 3) for m in history]

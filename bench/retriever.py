@@ -100,29 +100,56 @@ def run_batches(url: str, make_batch: Callable[[], list[str]], requests: int) ->
 
 
 def run_clients(url: str, pool: QueryPool, clients: int, seconds: float) -> Result:
-    result = Result()
-    lock = threading.Lock()
-    deadline = time.perf_counter() + seconds
+    """`clients` concurrent one-query clients for `seconds`: coroutines on one event loop and one connection
+    each, so the load generator costs little CPU next to the server it measures (both servers get the same)."""
+    import asyncio
 
-    def client_loop() -> None:
-        with httpx.Client(timeout=600) as client:
-            while time.perf_counter() < deadline:
-                (query,) = pool.take(1)
-                started = time.perf_counter()
-                client.post(f"{url}/retrieve", json={"queries": [query], "topk": 3, "return_scores": True}
-                            ).raise_for_status()
-                with lock:
-                    result.latencies.append(time.perf_counter() - started)
-                    result.queries += 1
+    result = Result()
+
+    async def client_loop(client: httpx.AsyncClient, deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            (query,) = pool.take(1)
+            started = time.perf_counter()
+            response = await client.post(f"{url}/retrieve", json={"queries": [query], "topk": 3,
+                                                                  "return_scores": True})
+            response.raise_for_status()
+            result.latencies.append(time.perf_counter() - started)
+            result.queries += 1
+
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            deadline = time.perf_counter() + seconds
+            await asyncio.gather(*(client_loop(client, deadline) for _ in range(clients)))
 
     began = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    asyncio.run(run())
     result.seconds = time.perf_counter() - began
     return result
+
+
+def encoder_flops(index: Path, sample: list[str]) -> tuple[float, float]:
+    """(mean tokens per query, FLOPs per token) of the index's encoder: 2 x the weights a token meets in the
+    transformer layers (attention projections and FFN; the embedding lookup and attention scores left out)."""
+    from sisrl.retriever.encoder import resolve_model
+    from sisrl.retriever.manifest import load_manifest
+    from transformers import AutoConfig, AutoTokenizer
+
+    manifest = load_manifest(index)
+    source = resolve_model(manifest.encoder.model)
+    config = AutoConfig.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = tokenizer([manifest.encoder.query_prefix + q for q in sample], truncation=True,
+                    max_length=manifest.encoder.max_length)["input_ids"]
+    h, f = config.hidden_size, config.intermediate_size
+    return sum(map(len, ids)) / len(ids), 2.0 * config.num_hidden_layers * (4 * h * h + 2 * h * f)
+
+
+def cpu_peak_flops() -> tuple[float, str]:
+    """fp32 FMA peak of the cores this process may use: cores x 2 FMA units x 8 lanes (AVX2) x 2 x clock."""
+    mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
+    cores = len(os.sched_getaffinity(0))
+    return cores * 2 * 8 * 2 * mhz * 1e6, f"{cores} cores x 2 FMA x 8 lanes x 2 x {mhz:.0f} MHz"
 
 
 def rl_batch(pool: QueryPool) -> list[str]:
@@ -185,18 +212,23 @@ def main() -> int:
                         help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
     parser.add_argument("--encode-workers", type=int, default=os.cpu_count() or 1,
                         help="sisrl's --encode-workers (default: the CPU count, %(default)s)")
+    parser.add_argument("--backend", default="auto", help="sisrl's encoder --backend (default: %(default)s)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
     args = parser.parse_args()
     pool_files = [DATA / "nq" / "train.jsonl", DATA / "nq" / "extra_efficientqa.jsonl",
                   DATA / "hotpotqa" / "extra_nocontext.jsonl", DATA / "hotpotqa" / "train.jsonl"]
     pool = QueryPool([p for p in pool_files if p.is_file()])
+    flop_sample = pool.take(512)  # questions like those of (a), for the tokens per query
     workdir = args.index.parent / f".{args.index.name}-bench"
     workdir.mkdir(exist_ok=True)
     ours_url, base_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
     ours = bench_server("sisrl", [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(args.index),
                                   "--port", str(args.port), "--log-level", "warning", "--encode-workers",
-                                  str(args.encode_workers)], ours_url, pool, args, workdir)
+                                  str(args.encode_workers), "--backend", args.backend,
+                                  # ONNX Runtime has its own pool; OMP_NUM_THREADS only reaches torch
+                                  *(["--torch-threads", str(args.threads)] if args.threads else [])],
+                        ours_url, pool, args, workdir)
     base = bench_server("baseline", [sys.executable, str(ROOT / "bench" / "baseline_retriever.py"), "--index",
                                      str(args.index), "--port", str(args.port + 1)], base_url, pool, args, workdir)
     from sisrl.common.hardware import cpu_model
@@ -204,6 +236,14 @@ def main() -> int:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; index {args.index}")
     for line in table(ours, base):
         print(line)
+    tokens, per_token = encoder_flops(args.index, flop_sample)
+    peak, formula = cpu_peak_flops()
+    for name, d in (("sisrl", ours), ("baseline", base)):
+        a = d["a_batch"]
+        assert isinstance(a, Result)
+        achieved = a.qps * tokens * per_token
+        print(f"encoder FLOP/s on (a), {name}: {achieved / 1e9:.1f} GFLOP/s = {achieved / peak:.0%} of the fp32 peak "
+              f"{peak / 1e9:.0f} GFLOP/s ({formula}); {tokens:.1f} tokens/query x {per_token / 1e6:.1f} MFLOP/token")
     if args.json_out:
         def plain(d: dict[str, object]) -> dict[str, object]:
             return {k: ({"qps": v.qps, "p50": v.pct(0.5), "p99": v.pct(0.99), "n": v.queries}

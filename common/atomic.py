@@ -7,6 +7,7 @@ POSIX rename is atomic within one filesystem, so every temp name lies beside its
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -85,3 +86,16 @@ def atomic_dir(target: Path, *, overwrite: bool) -> Iterator[Path]:
                 logger.info("%s was written concurrently; keeping that copy", target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created if missing) for the block: processes that would fill the same
+    cache entry at once (two servers exporting a model, two clones building a venv) do it one after the other."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

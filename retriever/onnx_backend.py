@@ -15,20 +15,17 @@ states), `tokenizer.json`, and `sisrl_onnx.json` with what the torch backend rea
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sisrl.common.atomic import atomic_dir
+from sisrl.common.atomic import atomic_dir, atomic_path, file_lock
 from sisrl.common.cache import user_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -79,30 +76,35 @@ def export_dir(source: str) -> Path:
     return user_cache_dir("onnx") / f"{name.replace('/', '--')}-{source_key(source)}"
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock: two servers started together export a model once, the second waits for it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def exported_model(source: str) -> Path:
     """The export directory of `source` (a local ST directory or hub id); exports on first use (needs torch)."""
     target = export_dir(source)
     if (target / META_FILE).is_file():
         return target
-    with _file_lock(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if (target / META_FILE).is_file():
             return target
         started = time.perf_counter()
         with atomic_dir(target, overwrite=False) as tmp:
             _export(source, tmp)
         logger.info("exported %s to ONNX in %s (%.1fs)", source, target, time.perf_counter() - started)
+    return target
+
+
+def quantized_model(directory: Path) -> Path:
+    """`model.int8.onnx` beside an export: ONNX Runtime's dynamic quantisation (int8 weights, activations
+    quantised per batch at run time), made once on first use (`--backend onnx-int8`)."""
+    target = directory / "model.int8.onnx"
+    if target.is_file():
+        return target
+    with file_lock(directory.with_name(directory.name + ".lock")):
+        if not target.is_file():
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            started = time.perf_counter()
+            with atomic_path(target) as tmp:
+                quantize_dynamic(str(directory / "model.onnx"), str(tmp), weight_type=QuantType.QInt8)
+            logger.info("quantised %s to int8 in %.1fs", directory, time.perf_counter() - started)
     return target
 
 
@@ -177,7 +179,7 @@ def read_meta(directory: Path) -> OnnxMeta:
 class OnnxModel:
     """An exported transformer in an ONNX Runtime session plus its tokenizer; `embed` pools like ST does."""
 
-    def __init__(self, directory: Path, *, device: str = "cpu", threads: int = 0) -> None:
+    def __init__(self, directory: Path, *, device: str = "cpu", threads: int = 0, int8: bool = False) -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
@@ -188,7 +190,8 @@ class OnnxModel:
             options.intra_op_num_threads = threads
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else \
             ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(directory / "model.onnx"), options, providers=providers)
+        weights = quantized_model(directory) if int8 else directory / "model.onnx"
+        self.session = ort.InferenceSession(str(weights), options, providers=providers)
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self.tokenizer.no_padding()
 

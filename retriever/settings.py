@@ -25,7 +25,7 @@ class Settings(BaseSettings):
                        "with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     device: str = Field("auto", description="encoder device: auto | cpu | cuda | cuda:N | mps")
     backend: str = Field("auto", description="encoder runtime: auto (onnx where onnxruntime is installed, the "
-                         "dtype float32 and the device a CPU; else torch) | torch | onnx")
+                         "dtype float32 and the device a CPU; else torch) | torch | onnx | onnx-int8 (int8 dynamic quantisation)")
     encode_batch_size: int = Field(64, ge=1, description="queries per encoder forward pass")
     default_topk: int = Field(3, ge=1, le=MAX_TOPK, description="topk when a request gives none (Search-R1: 3)")
     max_queries: int = Field(4096, ge=1, description="most queries in one request (more is a 422)")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from sisrl.common.atomic import atomic_dir, atomic_path, replace_dir, write_json, write_jsonl
+from sisrl.common.atomic import atomic_dir, atomic_path, file_lock, replace_dir, write_json, write_jsonl
 
 
 def test_atomic_path_error_keeps_old_target_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -51,3 +54,16 @@ def test_atomic_dir_without_overwrite_keeps_the_copy_that_finished_first(tmp_pat
         replace_dir(other, out)  # a second process renames its complete copy in first
     assert (out / "v").read_text() == "concurrent"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_file_lock_makes_a_second_process_wait(tmp_path: Path) -> None:
+    lock = tmp_path / "deep" / "x.lock"
+    waiter = ("import sys, time; from pathlib import Path; from sisrl.common.atomic import file_lock\n"
+              "with file_lock(Path(sys.argv[1])): print(time.time())")
+    with file_lock(lock):
+        other = subprocess.Popen([sys.executable, "-c", waiter, str(lock)], stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        assert other.poll() is None, "the second process got the lock while this one held it"
+        released = time.time()
+    out, _ = other.communicate(timeout=60)
+    assert other.returncode == 0 and float(out) >= released

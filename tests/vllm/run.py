@@ -17,8 +17,6 @@ sisrl sources for it in `SISRL_VLLM_PYTHONPATH` (`sisrl.services.engines.vllm_cp
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,9 +25,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from sisrl.common.atomic import file_lock
 from sisrl.common.cache import user_cache_dir
 from sisrl.services.engines.vllm_cpu import server_env, sisrl_path
 
@@ -61,17 +59,6 @@ def venv_dir() -> Path:
     return user_cache_dir("vllm") / f"venv-{recipe_key()}"
 
 
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock file: two runs on one machine (a background install, a second clone) build once."""
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _run(step: str, command: list[str], *, env: dict[str, str] | None = None, timeout_s: float) -> str:
     """Run one install step; Skip with the step and the tail of its output when it fails."""
     try:
@@ -90,7 +77,7 @@ def ensure_venv() -> Path:
     venv = venv_dir()
     stamp = venv / ".sisrl-recipe.json"
     failed = venv.with_name(venv.name + ".failed")
-    with locked(venv.with_name(venv.name + ".lock")):
+    with file_lock(venv.with_name(venv.name + ".lock")):
         if stamp.is_file():
             return venv
         if failed.is_file() and time.time() - failed.stat().st_mtime < RETRY_AFTER_S:

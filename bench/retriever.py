@@ -17,6 +17,7 @@ baseline must match within 0.01 (same math).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -99,28 +100,48 @@ def run_batches(url: str, make_batch: Callable[[], list[str]], requests: int) ->
     return result
 
 
+async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int, body: bytes) -> bytes:
+    """One HTTP/1.1 POST /retrieve on a kept-alive connection; the response body (uvicorn sends Content-Length)."""
+    writer.write(f"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    payload = await reader.readexactly(length)
+    if status != 200:
+        raise RuntimeError(f"/retrieve answered {status}: {payload[:300]!r}")
+    return payload
+
+
 def run_clients(url: str, pool: QueryPool, clients: int, seconds: float) -> Result:
-    """`clients` concurrent one-query clients for `seconds`: coroutines on one event loop and one connection
-    each, so the load generator costs little CPU next to the server it measures (both servers get the same)."""
-    import asyncio
+    """`clients` concurrent one-query clients for `seconds`, each on its own kept-alive connection.
 
+    Coroutines on one event loop with a minimal HTTP/1.1 client: httpx's pool with 200 connections tops out near
+    100 requests/s on these two cores (even for GET /health, which uvicorn answers ~1,500 times/s), so it would
+    measure the load generator, not the server."""
     result = Result()
+    port = int(url.rsplit(":", 1)[1])
 
-    async def client_loop(client: httpx.AsyncClient, deadline: float) -> None:
-        while time.perf_counter() < deadline:
-            (query,) = pool.take(1)
-            started = time.perf_counter()
-            response = await client.post(f"{url}/retrieve", json={"queries": [query], "topk": 3,
-                                                                  "return_scores": True})
-            response.raise_for_status()
-            result.latencies.append(time.perf_counter() - started)
-            result.queries += 1
+    async def client_loop(deadline: float) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while time.perf_counter() < deadline:
+                (query,) = pool.take(1)
+                body = json.dumps({"queries": [query], "topk": 3, "return_scores": True}).encode()
+                started = time.perf_counter()
+                await _post(reader, writer, port, body)
+                result.latencies.append(time.perf_counter() - started)
+                result.queries += 1
+        finally:
+            writer.close()
 
     async def run() -> None:
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            deadline = time.perf_counter() + seconds
-            await asyncio.gather(*(client_loop(client, deadline) for _ in range(clients)))
+        deadline = time.perf_counter() + seconds
+        await asyncio.gather(*(client_loop(deadline) for _ in range(clients)))
 
     began = time.perf_counter()
     asyncio.run(run())
@@ -210,8 +231,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
-    parser.add_argument("--encode-workers", type=int, default=os.cpu_count() or 1,
-                        help="sisrl's --encode-workers (default: the CPU count, %(default)s)")
+    parser.add_argument("--encode-workers", type=int, default=1,
+                        help="sisrl's --encode-workers (default: %(default)s, the server's own; one ONNX Runtime "
+                             "session already uses every core, two would oversubscribe them)")
     parser.add_argument("--backend", default="auto", help="sisrl's encoder --backend (default: %(default)s)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")

@@ -66,7 +66,7 @@ class EncoderConfig:
         "help": "encoder runtime: auto (onnx where onnxruntime is installed, the dtype float32 and the device a "
                 "CPU, for a build a corpus up to 1 MB; else torch) | torch (sentence-transformers) | onnx (the model "
                 "exported once to ONNX Runtime; same embeddings to float32 rounding) | onnx-int8 (its int8 dynamic "
-                "quantisation: faster, vectors ~0.97 cosine to fp32)"})
+                "quantisation: faster, vectors ~0.9-0.97 cosine to fp32)"})
 
     def __post_init__(self) -> None:
         if not self.model:

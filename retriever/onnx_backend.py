@@ -65,7 +65,9 @@ def source_key(source: str) -> str:
     path = Path(source)
     digest = hashlib.sha256(f"{FORMAT}\0{source}".encode())
     if path.is_dir():
-        for file in sorted(p for p in path.rglob("*") if p.is_file() and "onnx" not in p.parts):
+        # ST's own onnx/ or openvino/ subfolders are exports, not the weights this export is made from.
+        for file in sorted(p for p in path.rglob("*") if p.is_file()
+                           and not {"onnx", "openvino"} & set(p.relative_to(path).parts)):
             stat = file.stat()
             digest.update(f"\0{file.relative_to(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]

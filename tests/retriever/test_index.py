@@ -8,11 +8,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder, resolve_model
-from sisrl.retriever.index import BuildConfig, build_index, shard_path
-from sisrl.retriever.manifest import MANIFEST_FILE, ManifestError, load_manifest
+from sisrl.retriever.index import BuildConfig, _faiss_stage, build_index, load_faiss, shard_path
+from sisrl.retriever.manifest import FAISS_FILE, MANIFEST_FILE, ManifestError, load_manifest
 from sisrl.retriever.searcher import SearcherOptions, check_encoder, open_searcher
 from transformers import AutoTokenizer
 
@@ -89,14 +90,52 @@ def test_resume_refuses_another_corpus(tmp_path: Path, topics_corpus: Path, mini
         build_index(BuildConfig(corpus=other, out=cfg.out, shard_size=8), minilm)
 
 
-@pytest.mark.parametrize("kind", ["hnsw", "ivfpq"])
+@pytest.mark.parametrize("kind", ["hnsw", "ivfpq", "ivfsq8"])
 def test_approximate_indexes_agree_with_exact_search(tmp_path: Path, topics_corpus: Path, minilm: Encoder,
                                                      kind: str) -> None:
-    cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / kind, index=kind, ivf_nlist=2, pq_m=8, pq_nbits=4)
+    cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / kind, index=kind, ivf_nlist=2, pq_m=8, pq_nbits=4,
+                      shard_size=16)  # three shards: codes are added shard by shard
     build_index(cfg, minilm)
     manifest = load_manifest(cfg.out)
     assert manifest.index_type == kind and manifest.index_params
     assert [hits[0][0] for hits in _search(cfg.out)] == ["doc0", "doc4", "doc39"]
+    index = load_faiss(cfg.out, count=manifest.count, dim=manifest.dim, nprobe=2)
+    assert index.ntotal == manifest.count
+    if kind != "hnsw":
+        assert faiss.extract_index_ivf(index).nprobe == 2
+        assert manifest.index_params["train_rows"] == manifest.count
+
+
+@pytest.mark.parametrize("kind", ["ivfpq", "ivfsq8", "opq-ivfpq"])
+def test_ivf_build_streams_shards_and_keeps_row_order(tmp_path: Path, kind: str) -> None:
+    # The build stage alone over three shards of unit vectors (OPQ's own 8-bit training PQ needs >= 256 rows,
+    # more than the 40-passage corpus): every row must come back as its own nearest neighbour, by row number.
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((1200, 32)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    cfg = BuildConfig(corpus=tmp_path / "unused.jsonl", out=tmp_path / kind, index=kind, shard_size=400,
+                      ivf_nlist=8, pq_m=16, train_sample=1000)
+    for i in range(3):
+        shard_path(cfg.out, i).parent.mkdir(parents=True, exist_ok=True)
+        np.save(shard_path(cfg.out, i), rows[i * 400:(i + 1) * 400])
+    params = _faiss_stage(cfg, 32, 3)
+    assert params["train_rows"] == 1000 and params["ivf_nlist"] == 8
+    index = faiss.read_index(str(cfg.out / FAISS_FILE))
+    assert index.ntotal == 1200
+    faiss.extract_index_ivf(index).nprobe = 8  # every list: only the codes' error is left
+    picks = rng.choice(1200, 200, replace=False)
+    _, found = index.search(rows[picks], 5)
+    assert np.mean([p in hits for p, hits in zip(picks, found, strict=True)]) >= 0.95
+
+
+def test_ivf_trains_on_the_requested_sample(tmp_path: Path, topics_corpus: Path, minilm: Encoder) -> None:
+    cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / "sq8", index="ivfsq8", ivf_nlist=2, train_sample=24)
+    build_index(cfg, minilm)
+    assert load_manifest(cfg.out).index_params == {"ivf_nlist": 2, "train_rows": 24}
+    with pytest.raises(ValueError, match="train_sample: expected >= 0"):
+        BuildConfig(corpus=topics_corpus, out=tmp_path / "x", index="ivfsq8", train_sample=-1)
+    with pytest.raises(ValueError, match="not opq-ivfpq"):
+        BuildConfig(corpus=topics_corpus, out=tmp_path / "x", index="opq-ivfpq", faiss_gpu=True)
 
 
 def _copy(index_dir: Path, tmp_path: Path) -> Path:

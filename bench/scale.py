@@ -5,7 +5,7 @@ to wiki-18's 21 M passages.
 
     .venv/bin/python bench/subset_corpus.py --others 2503 --out /tmp/bench3k.jsonl
     .venv/bin/python -m sisrl.retriever.cli build --corpus /tmp/bench3k.jsonl --out /tmp/bench3k
-    .venv/bin/python bench/scale.py --index /tmp/bench3k [--sizes 250000 1000000 2000000] [--workdir /tmp/scale]
+    .venv/bin/python bench/scale.py --index /tmp/bench3k [--sizes 300000 1000000 2000000] [--workdir /tmp/scale]
 
 Every index is built by the project's own build stage (`retriever.index._faiss_stage`: quantisers trained on an
 evenly spaced sample, codes added shard by shard from memory-mapped shards of 100,000 rows) in a fresh process whose
@@ -40,11 +40,11 @@ WIKI18 = 21_015_324  # passages in Search-R1's wiki-18 corpus (DPR's psgs_w100)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--index", type=Path, required=True, help="a sisrl index over a corpus holding nq/dev's gold passages")
-    p.add_argument("--sizes", type=int, nargs="+", default=[250_000, 1_000_000, 2_000_000],
-                   help=f"vector counts, multiples of {SHARD_ROWS:,} (default: 250k 1M 2M)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[300_000, 1_000_000, 2_000_000],
+                   help=f"vector counts, multiples of {SHARD_ROWS:,} (default: 300k 1M 2M)")
     p.add_argument("--types", nargs="+", default=["flat", "ivfsq8", "ivfpq", "opq-ivfpq", "hnsw"],
                    help="index types (default: all; flat is always built, it is the reference)")
-    p.add_argument("--hnsw-max", type=int, default=250_000, help="largest size HNSW is built at (default: 250k)")
+    p.add_argument("--hnsw-max", type=int, default=300_000, help="largest size HNSW is built at (default: 300k)")
     p.add_argument("--nlist", type=int, default=2048, help="IVF lists at every size (default: 2048)")
     p.add_argument("--nprobe", type=int, default=32, help="IVF lists probed per query (default: 32, as serve)")
     p.add_argument("--pq-m", type=int, default=48, help="PQ sub-quantisers, 8 bits each (default: 48)")

@@ -111,19 +111,19 @@ def test_ivf_build_streams_shards_and_keeps_row_order(tmp_path: Path, kind: str)
     # The build stage alone over three shards of unit vectors (OPQ's own 8-bit training PQ needs >= 256 rows,
     # more than the 40-passage corpus): every row must come back as its own nearest neighbour, by row number.
     rng = np.random.default_rng(0)
-    rows = rng.standard_normal((1200, 32)).astype(np.float32)
+    rows = rng.standard_normal((600, 16)).astype(np.float32)
     rows /= np.linalg.norm(rows, axis=1, keepdims=True)
-    cfg = BuildConfig(corpus=tmp_path / "unused.jsonl", out=tmp_path / kind, index=kind, shard_size=400,
-                      ivf_nlist=8, pq_m=16, train_sample=1000)
+    cfg = BuildConfig(corpus=tmp_path / "unused.jsonl", out=tmp_path / kind, index=kind, shard_size=200,
+                      ivf_nlist=4, pq_m=4, train_sample=300)
     for i in range(3):
         shard_path(cfg.out, i).parent.mkdir(parents=True, exist_ok=True)
-        np.save(shard_path(cfg.out, i), rows[i * 400:(i + 1) * 400])
-    params = _faiss_stage(cfg, 32, 3)
-    assert params["train_rows"] == 1000 and params["ivf_nlist"] == 8
+        np.save(shard_path(cfg.out, i), rows[i * 200:(i + 1) * 200])
+    params = _faiss_stage(cfg, 16, 3)
+    assert params["train_rows"] == 300 and params["ivf_nlist"] == 4
     index = faiss.read_index(str(cfg.out / FAISS_FILE))
-    assert index.ntotal == 1200
-    faiss.extract_index_ivf(index).nprobe = 8  # every list: only the codes' error is left
-    picks = rng.choice(1200, 200, replace=False)
+    assert index.ntotal == 600
+    faiss.extract_index_ivf(index).nprobe = 4  # every list: only the codes' error is left
+    picks = rng.choice(600, 200, replace=False)
     _, found = index.search(rows[picks], 5)
     assert np.mean([p in hits for p, hits in zip(picks, found, strict=True)]) >= 0.95
 

@@ -13,7 +13,9 @@ peak RSS is reported, and searched in another fresh process (load + 500 queries:
 Columns: index bytes (the `index.faiss` file, what RAM holds), peak RSS of build and of serving, build seconds,
 q/s (one batch of all queries, all cores), neighbour recall@3 / @10 against flat on the same vectors (share of
 flat's top-k found), and gold recall@3 of the real nq/dev gold passages (they sit among the real rows; a gold hit
-must beat every synthetic vector too). Then the doc store: random lookups at 2 M rows. The synthetic vectors keep
+must beat every synthetic vector too). For the IVF types one row per `--nprobes` value, each also with
+`--rerank R`: R candidates re-scored exactly from the memory-mapped float shards (`serve --rerank R`; the shards
+stay on disk, the page cache holds what queries touch). Then the doc store: random lookups at 2 M rows. The synthetic vectors keep
 the real ones' first and second moments, not their cluster structure, so recall on them is an estimate.
 """
 
@@ -46,7 +48,10 @@ def parse_args() -> argparse.Namespace:
                    help="index types (default: all; flat is always built, it is the reference)")
     p.add_argument("--hnsw-max", type=int, default=300_000, help="largest size HNSW is built at (default: 300k)")
     p.add_argument("--nlist", type=int, default=2048, help="IVF lists at every size (default: 2048)")
-    p.add_argument("--nprobe", type=int, default=32, help="IVF lists probed per query (default: 32, as serve)")
+    p.add_argument("--nprobes", type=int, nargs="+", default=[32],
+                   help="IVF lists probed per query, one row each (default: 32, as serve)")
+    p.add_argument("--rerank", type=int, default=100,
+                   help="IVF rows also with this many candidates re-scored exactly from the shards (0: skip; default 100)")
     p.add_argument("--pq-m", type=int, default=48, help="PQ sub-quantisers, 8 bits each (default: 48)")
     p.add_argument("--queries", type=int, default=500, help="nq/dev questions (default: 500)")
     p.add_argument("--docstore-rows", type=int, default=2_000_000, help="doc store size for lookups (0: skip)")
@@ -81,17 +86,33 @@ def build_child(out: str, kind: str, dim: int, shards: int, nlist: int, pq_m: in
     return {"build_s": time.perf_counter() - t0, "build_rss": peak_rss(), "base_rss": base, "params": params}
 
 
-def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobe: int) -> dict[str, Any]:
-    """In a fresh process: load the index as `serve` does and search every query once (top 10)."""
-    from sisrl.retriever.index import load_faiss
+def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobes: list[int],
+                 rerank: int) -> dict[str, Any]:
+    """In a fresh process: load the index as `serve` does and search every query once (top 10) per setting:
+    [(nprobe, rerank)] -> q/s and ids; nprobe 0 for an index without lists."""
+    import faiss
+    from sisrl.retriever.index import ShardVectors, ivf_part, load_faiss
 
     base = peak_rss()
-    index = load_faiss(Path(out), count=count, dim=dim, nprobe=nprobe)
-    index.search(queries[:8], 10)  # warm-up
-    t0 = time.perf_counter()
-    _, ids = index.search(queries, 10)
-    seconds = time.perf_counter() - t0
-    return {"qps": len(queries) / seconds, "ids": ids, "serve_rss": peak_rss(), "base_rss": base}
+    index = load_faiss(Path(out), count=count, dim=dim)
+    ivf = ivf_part(index)
+    exact = ShardVectors(Path(out), count, dim) if rerank and ivf is not None else None
+    settings = [(n, r) for n in nprobes for r in ([0, rerank] if exact is not None else [0])] if ivf is not None \
+        else [(0, 0)]
+    results = []
+    for nprobe, rr in settings:
+        if ivf is not None:
+            faiss.extract_index_ivf(index).nprobe = nprobe
+        index.search(queries[:8], 10)  # warm-up
+        t0 = time.perf_counter()
+        if rr and exact is not None:
+            _, candidates = index.search(queries, rr)
+            _, ids = exact.rerank(queries, candidates, 10)
+        else:
+            _, ids = index.search(queries, 10)
+        results.append({"nprobe": nprobe, "rerank": rr, "qps": len(queries) / (time.perf_counter() - t0),
+                        "ids": ids})
+    return {"results": results, "serve_rss": peak_rss(), "base_rss": base}
 
 
 def in_child(fn: Any, *a: Any) -> dict[str, Any]:
@@ -208,7 +229,7 @@ def main() -> None:
     write_vectors(real, max(args.sizes), vec_dir)
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); {real.shape[0]} real {dim}-d vectors from {args.index}, "
           f"synthetic up to {max(args.sizes):,} ({time.perf_counter() - t0:.0f}s); {len(queries)} nq/dev queries; "
-          f"nlist {args.nlist}, nprobe {args.nprobe}, PQ {args.pq_m}x8", flush=True)
+          f"nlist {args.nlist}, nprobe {args.nprobes}, re-rank {args.rerank}, PQ {args.pq_m}x8", flush=True)
     rows: list[dict[str, Any]] = []
     for n in sorted(args.sizes):
         flat_ids: np.ndarray | None = None
@@ -221,27 +242,32 @@ def main() -> None:
             if not link.exists():
                 link.symlink_to(vec_dir.resolve())
             built = in_child(build_child, str(out), kind, dim, n // SHARD_ROWS, args.nlist, args.pq_m)
-            served = in_child(search_child, str(out), n, dim, queries, args.nprobe)
-            ids = served["ids"]
-            if flat_ids is None:
-                flat_ids = ids
-            row = {"type": kind, "n": n, "bytes": (out / "index.faiss").stat().st_size,
-                   "predicted": predicted_bytes(kind, n, dim, args.nlist, args.pq_m),
-                   "build_s": built["build_s"], "build_rss": built["build_rss"], "serve_rss": served["serve_rss"],
-                   "qps": served["qps"], "nn@3": overlap(ids, flat_ids, 3), "nn@10": overlap(ids, flat_ids, 10),
-                   "gold@3": float(np.mean([bool(set(a[:3].tolist()) & g) for a, g in zip(ids, gold, strict=True)]))}
-            rows.append(row)
+            served = in_child(search_child, str(out), n, dim, queries, args.nprobes, args.rerank)
+            for result in served["results"]:
+                ids = result["ids"]
+                if flat_ids is None:
+                    flat_ids = ids
+                row = {"type": kind, "n": n, "nprobe": result["nprobe"], "rerank": result["rerank"],
+                       "bytes": (out / "index.faiss").stat().st_size,
+                       "predicted": predicted_bytes(kind, n, dim, args.nlist, args.pq_m),
+                       "build_s": built["build_s"], "build_rss": built["build_rss"],
+                       "serve_rss": served["serve_rss"], "qps": result["qps"], "nn@3": overlap(ids, flat_ids, 3),
+                       "nn@10": overlap(ids, flat_ids, 10),
+                       "gold@3": float(np.mean([bool(set(a[:3].tolist()) & g) for a, g in zip(ids, gold, strict=True)]))}
+                rows.append(row)
+                print(f"  {kind:9s} {n:>9,} nprobe {row['nprobe']:4d} rerank {row['rerank']:4d}: "
+                      f"{row['bytes'] / 2**20:8.1f} MiB (formula {row['predicted'] / 2**20:8.1f}), build "
+                      f"{row['build_s']:6.1f}s, build RSS {row['build_rss'] / 2**20:7.0f} MiB, serve RSS "
+                      f"{row['serve_rss'] / 2**20:7.0f} MiB, {row['qps']:8.0f} q/s, nn@3 {row['nn@3']:.3f} "
+                      f"nn@10 {row['nn@10']:.3f} gold@3 {row['gold@3']:.3f}", flush=True)
             (out / "index.faiss").unlink()  # keep the disk free for the next one
-            print(f"  {kind:9s} {n:>9,}: {row['bytes'] / 2**20:8.1f} MiB (formula {row['predicted'] / 2**20:8.1f}), "
-                  f"build {row['build_s']:6.1f}s, build RSS {row['build_rss'] / 2**20:7.0f} MiB, serve RSS "
-                  f"{row['serve_rss'] / 2**20:7.0f} MiB, {row['qps']:8.0f} q/s, nn@3 {row['nn@3']:.3f} "
-                  f"nn@10 {row['nn@10']:.3f} gold@3 {row['gold@3']:.3f}", flush=True)
     (args.workdir / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print("\n| index | vectors | index MiB | formula MiB | build s | build peak RSS MiB | serve peak RSS MiB | q/s "
-          "| nn recall@3 | nn recall@10 | gold recall@3 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| index | vectors | nprobe | re-rank | index MiB | formula MiB | build s | build peak RSS MiB | "
+          "serve peak RSS MiB | q/s | nn recall@3 | nn recall@10 | gold recall@3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['type']} | {r['n']:,} | {r['bytes'] / 2**20:.1f} | {r['predicted'] / 2**20:.1f} | "
+        print(f"| {r['type']} | {r['n']:,} | {r['nprobe'] or '-'} | {r['rerank'] or '-'} | "
+              f"{r['bytes'] / 2**20:.1f} | {r['predicted'] / 2**20:.1f} | "
               f"{r['build_s']:.1f} | {r['build_rss'] / 2**20:.0f} | {r['serve_rss'] / 2**20:.0f} | {r['qps']:.0f} | "
               f"{r['nn@3']:.3f} | {r['nn@10']:.3f} | {r['gold@3']:.3f} |")
     print(f"\nExtrapolated to wiki-18 ({WIKI18:,} passages), index bytes by the formulas above (GiB), nlist 65,536:")

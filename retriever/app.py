@@ -23,7 +23,8 @@ def searcher_options(settings: Settings) -> SearcherOptions:
     return SearcherOptions(encoder=settings.encoder, dtype=settings.dtype, device=settings.device,
                            backend=settings.backend, threads=settings.torch_threads,
                            encode_batch_size=settings.encode_batch_size, faiss_gpu=settings.faiss_gpu,
-                           mmap_index=settings.mmap_index, nprobe=settings.nprobe, ef_search=settings.ef_search)
+                           mmap_index=settings.mmap_index, nprobe=settings.nprobe, ef_search=settings.ef_search,
+                           rerank=settings.rerank)
 
 
 def service_options(settings: Settings) -> ServiceOptions:

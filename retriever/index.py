@@ -263,6 +263,46 @@ def _gather_rows(shards: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
     return np.stack([shards[w][r - bounds[w]] for w, r in zip(which, rows, strict=True)])
 
 
+class ShardVectors:
+    """The build's float32 embedding shards, memory-mapped read-only: exact vectors of any rows without holding
+    the corpus's embeddings in RAM (the page cache keeps the rows a server touches)."""
+
+    def __init__(self, directory: Path, count: int, dim: int) -> None:
+        self.shards: list[np.ndarray] = []
+        rows = 0
+        while rows < count and shard_path(directory, len(self.shards)).is_file():
+            self.shards.append(np.load(shard_path(directory, len(self.shards)), mmap_mode="r"))
+            rows += self.shards[-1].shape[0]
+        if rows != count or any(s.shape[1] != dim for s in self.shards):
+            raise ValueError(f"{directory / SHARD_DIR}: {len(self.shards)} shards hold {rows} rows, the index "
+                             f"{count} of dim {dim}: exact re-ranking needs the build's shards")
+        self.bounds = np.cumsum([0] + [s.shape[0] for s in self.shards])
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """`[n]` row ids (>= 0) -> `[n, dim]` float32 vectors."""
+        which = np.searchsorted(self.bounds, rows, side="right") - 1
+        out = np.empty((len(rows), self.shards[0].shape[1]), dtype=np.float32)
+        for w in np.unique(which):
+            picked = which == w
+            out[picked] = self.shards[w][rows[picked] - self.bounds[w]]
+        return out
+
+    def rerank(self, queries: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Candidates `rows [n, c]` (-1 = none) rescored by exact inner product with `queries [n, dim]`; the best
+        k per query as (scores, rows), each `[n, k]`, -1 / -inf where fewer than k candidates exist."""
+        n, c = rows.shape
+        valid = rows >= 0
+        vectors = np.zeros((n, c, queries.shape[1]), dtype=np.float32)  # [n, c, dim]
+        vectors[valid] = self.gather(rows[valid])
+        scores = np.einsum("ncd,nd->nc", vectors, queries)
+        scores[~valid] = -np.inf
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [n, k]
+        out_rows = np.take_along_axis(rows, best, axis=1)
+        out_scores = np.take_along_axis(scores, best, axis=1)
+        out_rows[~np.isfinite(out_scores)] = -1
+        return out_scores, out_rows
+
+
 def gpu_count() -> int:
     """GPUs faiss can use: 0 with faiss-cpu (imported lazily, so faiss-gpu is optional)."""
     import faiss

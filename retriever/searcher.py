@@ -12,7 +12,7 @@ import numpy as np
 from sisrl.retriever.corpus import Passage
 from sisrl.retriever.docstore import DocStore
 from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
-from sisrl.retriever.index import load_faiss
+from sisrl.retriever.index import ShardVectors, load_faiss
 from sisrl.retriever.manifest import Manifest, ManifestError, identity_mismatch, load_manifest
 
 logger = logging.getLogger(__name__)
@@ -32,20 +32,27 @@ class SearcherOptions:
     mmap_index: bool = False
     nprobe: int = 32
     ef_search: int = 128
+    rerank: int = 0  # approximate indexes: candidates per query re-scored exactly from the float shards; 0 = off
 
 
 class Searcher:
     """Encoder + FAISS index + document store of one index directory, checked against each other."""
 
-    def __init__(self, manifest: Manifest, encoder: Encoder, index: Any, store: DocStore) -> None:
+    def __init__(self, manifest: Manifest, encoder: Encoder, index: Any, store: DocStore,
+                 exact: ShardVectors | None = None, rerank: int = 0) -> None:
         self.manifest, self.encoder, self.index, self.store = manifest, encoder, index, store
+        self.exact, self.rerank = exact, rerank
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """`[n queries]` -> n lists of k (passage, score), best first. Rows FAISS could not fill are dropped."""
         if not queries:
             return []
         vectors = self.encoder.encode_queries(queries)  # [n, dim] float32, unit norm
-        scores, rows = self.index.search(vectors, k)  # [n, k] each
+        if self.exact is not None and self.rerank > k:
+            _, candidates = self.index.search(vectors, self.rerank)  # [n, rerank] approximate
+            scores, rows = self.exact.rerank(vectors, candidates, k)  # [n, k] exact inner products
+        else:
+            scores, rows = self.index.search(vectors, k)  # [n, k] each
         return [self._hits(row_ids, row_scores) for row_ids, row_scores in zip(rows, scores, strict=True)]
 
     def _hits(self, rows: np.ndarray, scores: np.ndarray) -> list[Hit]:
@@ -93,12 +100,15 @@ def open_searcher(directory: Path, options: SearcherOptions | None = None) -> Se
             raise ManifestError(f"{directory}: document store has {len(store)} passages, manifest says {manifest.count}")
         index = load_faiss(directory, count=manifest.count, dim=manifest.dim, gpu=options.faiss_gpu,
                            mmap=options.mmap_index, nprobe=options.nprobe, ef_search=options.ef_search)
+        # A flat index is exact already: re-ranking it would only cost time.
+        exact = ShardVectors(directory, manifest.count, manifest.dim) \
+            if options.rerank and manifest.index_type != "flat" else None
     except BaseException:
         store.close()
         raise
     logger.info("index %s opened in %.2fs: %d passages, %s", directory, time.perf_counter() - started,
                 manifest.count, manifest.index_type)
-    return Searcher(manifest, encoder, index, store)
+    return Searcher(manifest, encoder, index, store, exact, options.rerank)
 
 
 __all__ = ["Hit", "Searcher", "SearcherOptions", "open_searcher", "encoder_config", "check_encoder"]

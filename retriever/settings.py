@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")
     ef_search: int = Field(128, ge=1, description="HNSW: candidate list size per query")
+    rerank: int = Field(0, ge=0, description="approximate indexes (IVF, HNSW): fetch this many candidates per "
+                        "query and re-score them exactly from the build's float shards on disk; 0 = off")
     api_token: SecretStr | None = Field(None, description="when set, /retrieve and /metrics need "
                                         "`Authorization: Bearer <token>`")
     log_level: str = Field("info", description="debug | info | warning | error")

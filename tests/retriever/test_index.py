@@ -12,7 +12,7 @@ import faiss
 import numpy as np
 import pytest
 from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder, resolve_model
-from sisrl.retriever.index import BuildConfig, _faiss_stage, build_index, load_faiss, shard_path
+from sisrl.retriever.index import BuildConfig, ShardVectors, _faiss_stage, build_index, load_faiss, shard_path
 from sisrl.retriever.manifest import FAISS_FILE, MANIFEST_FILE, ManifestError, load_manifest
 from sisrl.retriever.searcher import SearcherOptions, check_encoder, open_searcher
 from transformers import AutoTokenizer
@@ -29,8 +29,8 @@ def minilm() -> Encoder:
     return load_encoder(EncoderConfig(model="minilm"))
 
 
-def _search(index_dir: Path, queries: list[str] = QUERIES, k: int = 5) -> list[list[tuple[str, float]]]:
-    searcher = open_searcher(index_dir, SearcherOptions(encoder="minilm"))
+def _search(index_dir: Path, queries: list[str] = QUERIES, k: int = 5, rerank: int = 0) -> list[list[tuple[str, float]]]:
+    searcher = open_searcher(index_dir, SearcherOptions(encoder="minilm", rerank=rerank))
     try:
         return [[(p.id, s) for p, s in hits] for hits in searcher.search(queries, k)]
     finally:
@@ -92,7 +92,7 @@ def test_resume_refuses_another_corpus(tmp_path: Path, topics_corpus: Path, mini
 
 @pytest.mark.parametrize("kind", ["hnsw", "ivfpq", "ivfsq8"])
 def test_approximate_indexes_agree_with_exact_search(tmp_path: Path, topics_corpus: Path, minilm: Encoder,
-                                                     kind: str) -> None:
+                                                     minilm_index: Path, kind: str) -> None:
     cfg = BuildConfig(corpus=topics_corpus, out=tmp_path / kind, index=kind, ivf_nlist=2, pq_m=8, pq_nbits=4,
                       shard_size=16)  # three shards: codes are added shard by shard
     build_index(cfg, minilm)
@@ -104,6 +104,11 @@ def test_approximate_indexes_agree_with_exact_search(tmp_path: Path, topics_corp
     if kind != "hnsw":
         assert faiss.extract_index_ivf(index).nprobe == 2
         assert manifest.index_params["train_rows"] == manifest.count
+    # `--rerank 40`: every passage is a candidate, re-scored from the float shards: flat's passages and scores
+    reranked, exact = _search(cfg.out, rerank=len(TOPICS)), _search(minilm_index)
+    assert [[i for i, _ in row] for row in reranked] == [[i for i, _ in row] for row in exact]
+    np.testing.assert_allclose([[s for _, s in row] for row in reranked], [[s for _, s in row] for row in exact],
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["ivfpq", "ivfsq8", "opq-ivfpq"])
@@ -126,6 +131,42 @@ def test_ivf_build_streams_shards_and_keeps_row_order(tmp_path: Path, kind: str)
     picks = rng.choice(600, 200, replace=False)
     _, found = index.search(rows[picks], 5)
     assert np.mean([p in hits for p, hits in zip(picks, found, strict=True)]) >= 0.95
+
+
+def test_rerank_from_the_shards_gives_exact_scores_of_the_candidates(tmp_path: Path) -> None:
+    # IVF-PQ's own scores are PQ approximations; re-scored from the float shards, its candidates must carry the
+    # exact inner products and, with every list probed and enough candidates, flat's exact top 3.
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((600, 16)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    cfg = BuildConfig(corpus=tmp_path / "unused.jsonl", out=tmp_path / "pq", index="ivfpq", shard_size=200,
+                      ivf_nlist=4, pq_m=4, pq_nbits=4, train_sample=300)
+    for i in range(3):
+        shard_path(cfg.out, i).parent.mkdir(parents=True, exist_ok=True)
+        np.save(shard_path(cfg.out, i), rows[i * 200:(i + 1) * 200])
+    _faiss_stage(cfg, 16, 3)
+    index = load_faiss(cfg.out, count=600, dim=16, nprobe=4)
+    queries = rng.standard_normal((50, 16)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    exact_top = np.argsort(-(queries @ rows.T), axis=1, kind="stable")[:, :3]
+    pq_scores, pq_rows = index.search(queries, 3)
+    exact = ShardVectors(cfg.out, 600, 16)
+    assert np.array_equal(exact.gather(np.array([599, 0, 200, 401])), rows[[599, 0, 200, 401]])
+    _, candidates = index.search(queries, 200)
+    scores, found = exact.rerank(queries, candidates, 3)
+    np.testing.assert_allclose(scores, np.take_along_axis(queries @ rows.T, found, axis=1), rtol=1e-5, atol=1e-6)
+    def recall(rows: np.ndarray) -> float:
+        return float(np.mean([len(set(a) & set(b)) / 3 for a, b in zip(rows.tolist(), exact_top.tolist(), strict=True)]))
+
+    assert (np.diff(scores, axis=1) <= 0).all(), "best first"
+    assert recall(found) >= 0.98, "re-ranked: flat's top 3"
+    assert recall(pq_rows) < 0.9, "PQ alone (4 bits) must miss some of flat's top 3 here, or the test proves nothing"
+    assert not np.allclose(pq_scores, np.take_along_axis(queries @ rows.T, pq_rows, axis=1), atol=1e-3)
+    short = candidates.copy()
+    short[:, 2:] = -1  # fewer candidates than k: the missing ones come back as -1
+    assert (exact.rerank(queries, short, 3)[1][:, 2] == -1).all()
+    with pytest.raises(ValueError, match="exact re-ranking needs the build's shards"):
+        ShardVectors(cfg.out, 601, 16)
 
 
 def test_ivf_trains_on_the_requested_sample(tmp_path: Path, topics_corpus: Path, minilm: Encoder) -> None:

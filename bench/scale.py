@@ -27,12 +27,12 @@ import json
 import multiprocessing
 import os
 import random
-import resource
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sisrl.common.procs import peak_rss_bytes
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHARD_ROWS = 100_000
@@ -66,24 +66,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def peak_rss() -> int:
-    """This process's peak RSS in bytes: VmHWM, which starts afresh at exec (ru_maxrss keeps the forking parent's)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB there too
-
-
 def build_child(out: str, kind: str, dim: int, shards: int, nlist: int, pq_m: int) -> dict[str, Any]:
     """In a fresh process: the project's build stage over `shards` shards; seconds and peak RSS."""
     from sisrl.retriever.index import BuildConfig, _faiss_stage
 
     cfg = BuildConfig(corpus=Path(out) / "unused.jsonl", out=Path(out), index=kind, shard_size=SHARD_ROWS,
                       ivf_nlist=nlist, pq_m=pq_m)
-    base = peak_rss()
+    base = peak_rss_bytes()
     t0 = time.perf_counter()
     params = _faiss_stage(cfg, dim, shards)
-    return {"build_s": time.perf_counter() - t0, "build_rss": peak_rss(), "base_rss": base, "params": params}
+    return {"build_s": time.perf_counter() - t0, "build_rss": peak_rss_bytes(), "base_rss": base, "params": params}
 
 
 def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobes: list[int],
@@ -93,7 +85,7 @@ def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobes: l
     import faiss
     from sisrl.retriever.index import ShardVectors, ivf_part, load_faiss
 
-    base = peak_rss()
+    base = peak_rss_bytes()
     index = load_faiss(Path(out), count=count, dim=dim)
     ivf = ivf_part(index)
     exact = ShardVectors(Path(out), count, dim) if rerank and ivf is not None else None
@@ -112,7 +104,7 @@ def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobes: l
             _, ids = index.search(queries, 10)
         results.append({"nprobe": nprobe, "rerank": rr, "qps": len(queries) / (time.perf_counter() - t0),
                         "ids": ids})
-    return {"results": results, "serve_rss": peak_rss(), "base_rss": base}
+    return {"results": results, "serve_rss": peak_rss_bytes(), "base_rss": base}
 
 
 def in_child(fn: Any, *a: Any) -> dict[str, Any]:

@@ -5,8 +5,8 @@
 
 Time: both variants in one process, steps interleaved in alternating order so machine noise hits both alike
 (median per variant). Memory: the bytes autograd saves for backward (deterministic), and the peak RSS
-(ru_maxrss) of a fresh process per (variant, repetition). A step is forward + log-prob gather + ratio + GRPO loss + backward
-of a real transformers causal LM. Reported: median step time and peak RSS, and SIS / plain ratios. The physical
+(VmHWM; ru_maxrss would include the parent's) of a fresh process per (variant, repetition). A step is forward +
+log-prob gather + ratio + GRPO loss + backward of a real transformers causal LM. Reported: median step time and peak RSS, and SIS / plain ratios. The physical
 floor of the SIS extra is the top-K gather: B * T * (K + 1) floats against the B * T * V logits tensor.
 """
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+from sisrl.common.procs import peak_rss_bytes
 
 
 def _step_fn(model: torch.nn.Module, input_ids: torch.Tensor, variant: str, k: int):  # noqa: ANN202
@@ -107,7 +107,7 @@ def _child_rss(args: argparse.Namespace) -> None:
     step = _step_fn(model, ids, args.variant, args.k)
     step()
     step()
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_mib": peak_rss_bytes() / 2**20}))
 
 
 def main() -> None:

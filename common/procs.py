@@ -23,6 +23,20 @@ import httpx
 LOOPBACK = "127.0.0.1"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak RSS: VmHWM, which starts afresh at exec (ru_maxrss keeps the forking parent's peak,
+    so a child of a large process would report the parent's size); ru_maxrss where /proc is missing."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free a moment ago (the OS picks it; a race with another binder is possible but rare)."""
     with socket.socket() as sock:

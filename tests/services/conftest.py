@@ -73,7 +73,7 @@ def retriever_url(qa_subset: QASubset, tmp_path_factory: pytest.TempPathFactory)
     log = tmp_path_factory.mktemp("logs") / "retriever.log"
     service = launch_module("retriever", "sisrl.retriever.cli",
                             ["serve", "--index", str(index), "--corpus", str(qa_subset.corpus), "--encoder", "minilm",
-                             "--port", str(port), "--log-level", "warning"], port=port, log=log)
+                             "--dtype", "float32", "--port", str(port), "--log-level", "warning"], port=port, log=log)
     wait_healthy(service, timeout_s=STARTUP_S)
     yield service.url
     service.stop()
@@ -184,7 +184,7 @@ def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactor
     port = free_port()
     service = launch_module("policy server", "sisrl.services.engines.openai_server",
                             ["--model", str(tiny_policy_dir), "--port", str(port), "--checkpoint-root", str(root),
-                             "--max-tokens", "16", "--log-level", "warning", "--threads", "1"],
+                             "--max-tokens", "16", "--log-level", "warning", "--threads", "1", "--dtype", "float32"],
                             port=port, log=log, env={"SISRL_ENGINE_API_TOKEN": None})
     wait_healthy(service, timeout_s=STARTUP_S)
     yield PolicyServer(url=service.url, checkpoint_root=root, log=log, process=service.process)
@@ -214,7 +214,7 @@ class SecondPolicyServer:
         service = launch_module(
             "policy server B", "sisrl.services.engines.openai_server",
             ["--model", str(self.model), "--port", str(self.port), "--checkpoint-root", str(self.root),
-             "--max-tokens", "16", "--log-level", "warning", "--threads", "1"],
+             "--max-tokens", "16", "--log-level", "warning", "--threads", "1", "--dtype", "float32"],
             port=self.port, log=self.log, env={"SISRL_ENGINE_API_TOKEN": self.token})
         wait_healthy(service, timeout_s=STARTUP_S)
         self.process = service.process
@@ -247,7 +247,8 @@ def gateway_token() -> str:
 @pytest.fixture(scope="session")
 def local_gateway(start_gateway: GatewayFactory, tiny_policy_dir: Path, retriever_url: str) -> Gateway:
     """The tiny policy on the local engine behind a gateway with a bearer token and small work limits."""
-    return start_gateway("--engine", "local", "--model", str(tiny_policy_dir), "--retriever-url", retriever_url,
+    return start_gateway("--engine", "local", "--model", str(tiny_policy_dir), "--dtype", "float32",
+                         "--retriever-url", retriever_url,
                          "--max-pending", "8", "--max-response-tokens", "128", "--max-request-bytes", "65536",
                          token=GATEWAY_TOKEN)
 

@@ -165,7 +165,8 @@ async def _generate_local(
     model: Path | LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams]
 ) -> list[Generation]:
     engine = (
-        LocalEngine(str(model)) if isinstance(model, Path) else LocalEngine(model, tokenizer=load_tokenizer())
+        LocalEngine(str(model), dtype="float32") if isinstance(model, Path)
+        else LocalEngine(model, tokenizer=load_tokenizer())
     )
     try:
         return await asyncio.gather(*[engine.generate(p, s) for p, s in zip(prompts, params, strict=True)])
@@ -216,6 +217,12 @@ def test_bad_requests_are_client_errors(policy_server: Any, prompts: list[list[i
         ({"prompt": prompts[0], "temperature": -1}, 422, "temperature"),
         ({"prompt": prompts[0], "top_k": 5}, 422, "top_k"),
         ({"prompt": []}, 422, "prompt"),
+        # Strict JSON types: `true` is not the integer 1 (nor 0 `false`), "2" not 2.
+        ({"prompt": prompts[0], "logprobs": True}, 422, "logprobs"),
+        ({"prompt": prompts[0], "n": True}, 422, "expected an integer, got a boolean"),
+        ({"prompt": prompts[0], "stream": 0}, 422, "expected a boolean"),
+        ({"prompt": prompts[0], "max_tokens": "2"}, 422, "max_tokens"),
+        ({"prompt": [True]}, 422, "prompt"),
     ]
     for body, status, fragment in cases:
         response = httpx.post(url, json=body, timeout=30)

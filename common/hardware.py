@@ -60,13 +60,28 @@ def resolve_dtype(requested: str, device: str, *, what: str) -> str:
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's `model name` (e.g. `AMD EPYC`), for the line printed beside every benchmark figure."""
+    """The CPU's `model name`, family/model and vector ISA, for the line printed beside every benchmark figure.
+
+    e.g. `AMD EPYC (family 25 model 17; AVX-512, native bf16: avx512_bf16)`. Machines sold under one model name
+    differ (an AVX2-only EPYC and an AVX-512 one both report `AMD EPYC`), and their figures are not comparable.
+    """
     try:
         text = cpuinfo.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "unknown CPU"
+    fields: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip() and fields:
+            break  # the first CPU's block only
         key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return "unknown CPU"
+        fields.setdefault(key.strip(), value.strip())
+    flags = frozenset(fields.get("flags", fields.get("Features", "")).split())
+    parts = []
+    if "cpu family" in fields and "model" in fields:
+        parts.append(f"family {fields['cpu family']} model {fields['model']}")
+    if flags:
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        native = sorted(NATIVE_BF16_CPU_FLAGS & flags)
+        parts.append(f"{isa}, " + (f"native bf16: {', '.join(native)}" if native else "no native bf16"))
+    name = fields.get("model name", "unknown CPU")
+    return f"{name} ({'; '.join(parts)})" if parts else name

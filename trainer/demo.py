@@ -13,12 +13,14 @@ train and test questions), an E5 index over its corpus, the retriever as a real 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from sisrl.common.hardware import choose_dtype, cpu_model
 from sisrl.common.wire import GATEWAY_PORT
 from sisrl.trainer.config import TrainConfig, load_config
 from sisrl.trainer.data import load_items
@@ -183,6 +185,9 @@ def train_and_evaluate(cfg: TrainConfig, client: GatewayClient, workdir: Path, s
         checkpoint=str(checkpoints[-1]) if checkpoints else "", wall_s=time.perf_counter() - start,
         sft_steps=sft.steps, sft_demonstrations=sft.demonstrations,
         train_searches=[h.get("rollout/searches_per_traj", 0.0) for h in history],
+        # the machine, and the rollout engine's dtype (`auto`: bf16 only where native) beside the trainer's
+        cpu=cpu_model(), engine_dtype=choose_dtype(os.environ.get("SISRL_GATEWAY_DTYPE", "auto"), "cpu"),
+        trainer_dtype=cfg.model.dtype,
     )
 
 

@@ -75,6 +75,10 @@ def summary_table(summary: DemoSummary) -> str:
     rewards = " ".join(f"{r:.2f}" for r in summary.train_reward)
     lines.append(f"train reward per RL step ({summary.steps} steps): {rewards}")
     lines.append(f"checkpoint: {summary.checkpoint}   wall time: {summary.wall_s:.0f}s")
+    extra = summary.model_extra or {}
+    if "cpu" in extra:
+        lines.append(f"CPU: {extra['cpu']}; rollout engine {extra.get('engine_dtype', '?')}, "
+                     f"trainer {extra.get('trainer_dtype', '?')}")
     return "\n".join(lines)
 
 

@@ -59,5 +59,10 @@ def test_table_and_plot(tmp_path: Path) -> None:
     assert table[0].split() == ["stage", "EM", "EM", "hotpotqa", "EM", "nq", "searches"]
     assert table[3].split() == ["after_rl", "0.750", "0.450", "0.900", "1.40"]
     assert "0.10 0.20 0.60" in table[4]
+    assert not any(line.startswith("CPU:") for line in table)  # a summary without the machine's keys
+    machine = _summary().model_copy(update={"cpu": "AMD EPYC (family 25 model 17; AVX-512, native bf16: avx512_bf16)",
+                                            "engine_dtype": "bfloat16", "trainer_dtype": "float32"})
+    assert summary_table(machine).splitlines()[-1] == ("CPU: AMD EPYC (family 25 model 17; AVX-512, native bf16: "
+                                                       "avx512_bf16); rollout engine bfloat16, trainer float32")
     png = plot_summary(_summary(), tmp_path / "plots" / "reward_em.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -137,9 +137,10 @@ class ServiceMiddleware:
             elapsed = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.observe(scope["method"], route, status, elapsed)
-            entry = {"event": "request", "request_id": rid, "method": scope["method"], "path": scope["path"],
-                     "status": status, "latency_ms": round(elapsed * 1000, 3)}
-            self.access_log.info(json.dumps(entry), extra={"fields": entry})
+            if self.access_log.isEnabledFor(logging.INFO):  # a line built per request only when it is written
+                entry = {"event": "request", "request_id": rid, "method": scope["method"], "path": scope["path"],
+                         "status": status, "latency_ms": round(elapsed * 1000, 3)}
+                self.access_log.info(json.dumps(entry), extra={"fields": entry})
             request_id_var.reset(token)
 
 

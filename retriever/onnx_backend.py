@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,8 @@ class OnnxModel:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":  # `serve` sets it (see retriever/cli.py)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else \
             ["CPUExecutionProvider"]
         weights = quantized_model(directory) if int8 else directory / "model.onnx"

@@ -143,19 +143,23 @@ class RetrievalService:
                         pending.future.set_exception(exc)
 
     async def _collect(self, queue: asyncio.Queue[_Pending]) -> list[_Pending]:
-        """The first waiting request plus whatever arrives within `coalesce_ms`, up to max_batch_queries."""
+        """The first waiting request plus whatever arrives within `coalesce_ms`, up to max_batch_queries.
+
+        One timer per batch, not one `wait_for` task per request: take what already waits, sleep out the rest of
+        the window once if there is room, then take what arrived meanwhile."""
         batch = [await queue.get()]
         size = len(batch[0].queries)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.options.coalesce_ms / 1000
-        while size < self.options.max_batch_queries:
+        for last_pass in (False, True):
+            while size < self.options.max_batch_queries and not queue.empty():
+                pending = queue.get_nowait()
+                batch.append(pending)
+                size += len(pending.queries)
             remaining = deadline - loop.time()
-            try:
-                pending = queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(queue.get(), remaining)
-            except (asyncio.QueueEmpty, asyncio.TimeoutError):
+            if last_pass or size >= self.options.max_batch_queries or remaining <= 0:
                 break
-            batch.append(pending)
-            size += len(pending.queries)
+            await asyncio.sleep(remaining)
         return batch
 
     async def _serve_batch(self, batch: list[_Pending]) -> None:

@@ -56,6 +56,23 @@ def test_the_export_is_made_once_and_reused(tmp_path: Path, monkeypatch: pytest.
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temporary directory left
 
 
+def test_passive_wait_policy_turns_off_onnx_runtime_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `serve` sets OMP_WAIT_POLICY=PASSIVE (retriever/cli.py); the ONNX session must then not spin either.
+    directory = onnx_backend.exported_model(resolve_model("minilm"))
+
+    def spinning() -> str:
+        options = onnx_backend.OnnxModel(directory).session.get_session_options()
+        try:
+            return str(options.get_session_config_entry("session.intra_op.allow_spinning"))
+        except RuntimeError:  # never set: ONNX Runtime's default, spinning on
+            return "default"
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert spinning() == "default"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert spinning() == "0"
+
+
 def test_int8_is_made_once_and_stays_close() -> None:
     exact = load_encoder(EncoderConfig(model="minilm", backend="onnx"))
     int8 = load_encoder(EncoderConfig(model="minilm", backend="onnx-int8"))

@@ -226,7 +226,9 @@ def test_engine_contract_against_fp32_transformers(vllm_server: Service, referen
     # Same seed, same output: alone now, batched with four others above.
     again = generate_all(vllm_server, [prompt], [cases[0]])[0]
     assert again.token_ids == gens[0].token_ids
-    assert max(abs(a - b) for a, b in zip(again.logprobs, gens[0].logprobs, strict=True)) <= 1e-5
+    # Alone vs in a batch of five: fp32 kernels may split the work by batch shape (measured: 3.4e-5 on an AMD EPYC
+    # Zen 4 with AVX-512, under 1e-5 on an AVX2-only one); the same tokens, log-probs within half of LOGPROB_TOL.
+    assert max(abs(a - b) for a, b in zip(again.logprobs, gens[0].logprobs, strict=True)) <= LOGPROB_TOL / 2
 
 
 def test_wire_sends_k_plus_one_exactly_when_the_sampled_token_ranks_below_k(vllm_server: Service,

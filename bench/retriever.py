@@ -51,7 +51,10 @@ class Result:
 
 
 class QueryPool:
-    """Distinct real questions, handed out once each (a fresh question is never a cache hit)."""
+    """Distinct real questions in a fixed order; `restart()` before each server so both get the same sequence.
+
+    A pass through the pool never repeats a question; past its end it starts over (each server runs with
+    `--cache-size 0`, and a repeat is ~13,000 questions away, never in the same coalesced batch)."""
 
     def __init__(self, paths: list[Path]) -> None:
         seen: dict[str, None] = {}
@@ -60,14 +63,22 @@ class QueryPool:
                 seen.setdefault(q.question, None)
         self._questions = list(seen)
         self._next = 0
+        self.wrapped = 0
         self._lock = threading.Lock()
+
+    def restart(self) -> None:
+        with self._lock:
+            self._next, self.wrapped = 0, 0
 
     def take(self, n: int) -> list[str]:
         with self._lock:
-            if self._next + n > len(self._questions):
-                raise RuntimeError(f"query pool of {len(self._questions)} exhausted; shorten --seconds")
-            out = self._questions[self._next:self._next + n]
-            self._next += n
+            out = []
+            while len(out) < n:
+                if self._next == len(self._questions):
+                    self._next, self.wrapped = 0, self.wrapped + 1
+                step = min(n - len(out), len(self._questions) - self._next)
+                out += self._questions[self._next:self._next + step]
+                self._next += step
             return out
 
 
@@ -167,10 +178,20 @@ def encoder_flops(index: Path, sample: list[str]) -> tuple[float, float]:
 
 
 def cpu_peak_flops() -> tuple[float, str]:
-    """fp32 FMA peak of the cores this process may use: cores x 2 FMA units x 8 lanes (AVX2) x 2 x clock."""
+    """fp32 FMA peak of the cores this process may use: cores x 2 FMA units x lanes x 2 x clock, with 16 fp32
+    lanes where AVX-512 runs on a 512-bit datapath (Intel's AVX-512 server cores, AMD Zen 5 = family 26) and 8
+    otherwise (AVX2, and Zen 4 = family 25, which executes a 512-bit instruction as two 256-bit halves)."""
+    from sisrl.common.hardware import cpu_flags
+
+    fields = {}
+    for line in open("/proc/cpuinfo"):
+        if ":" in line:
+            fields.setdefault(line.split(":")[0].strip(), line.split(":", 1)[1].strip())
     mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
     cores = len(os.sched_getaffinity(0))
-    return cores * 2 * 8 * 2 * mhz * 1e6, f"{cores} cores x 2 FMA x 8 lanes x 2 x {mhz:.0f} MHz"
+    amd_256 = fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", "0")) < 26
+    lanes = 16 if "avx512f" in cpu_flags() and not amd_256 else 8
+    return cores * 2 * lanes * 2 * mhz * 1e6, f"{cores} cores x 2 FMA x {lanes} lanes x 2 x {mhz:.0f} MHz"
 
 
 def rl_batch(pool: QueryPool) -> list[str]:
@@ -180,6 +201,7 @@ def rl_batch(pool: QueryPool) -> list[str]:
 def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args: argparse.Namespace,
                  workdir: Path) -> dict[str, object]:
     service = start(name, command, url, workdir / f"{name}.log", args.threads)
+    pool.restart()
     try:
         run_batches(url, lambda: pool.take(8), 2)  # warm-up: first forward passes, page-in of the index
         out: dict[str, object] = {
@@ -188,6 +210,7 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
             "c_clients": run_clients(url, pool, args.clients, args.seconds),
             "d_many": run_clients(url, pool, args.many_clients, args.seconds),
         }
+        out["pool_passes"] = pool.wrapped + 1
         out["encoder_dtype"] = httpx.get(f"{url}/health", timeout=30).json().get("encoder_dtype", "float32")
         report = evaluate(load_questions(args.questions), http_retrieve(f"{url}/retrieve"))
         out["recall"] = report.as_dict()
@@ -232,9 +255,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
-    parser.add_argument("--encode-workers", type=int, default=1,
-                        help="sisrl's --encode-workers (default: %(default)s, the server's own; one ONNX Runtime "
-                             "session already uses every core, two would oversubscribe them)")
+    parser.add_argument("--encode-workers", type=int, default=0,
+                        help="sisrl's --encode-workers (default: %(default)s = the server's auto: one per core, "
+                             "one intra-op thread each)")
     parser.add_argument("--backend", default="auto", help="sisrl's encoder --backend (default: %(default)s)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
@@ -247,7 +270,8 @@ def main() -> int:
     workdir.mkdir(exist_ok=True)
     ours_url, base_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
     ours = bench_server("sisrl", [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(args.index),
-                                  "--port", str(args.port), "--log-level", "warning", "--encode-workers",
+                                  "--port", str(args.port), "--log-level", "warning", "--cache-size", "0",
+                                  "--encode-workers",
                                   str(args.encode_workers), "--backend", args.backend,
                                   # ONNX Runtime has its own pool; OMP_NUM_THREADS only reaches torch
                                   *(["--torch-threads", str(args.threads)] if args.threads else [])],

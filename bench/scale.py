@@ -54,6 +54,9 @@ def parse_args() -> argparse.Namespace:
                    help="IVF rows also with this many candidates re-scored exactly from the shards (0: skip; default 100)")
     p.add_argument("--pq-m", type=int, default=48, help="PQ sub-quantisers, 8 bits each (default: 48)")
     p.add_argument("--queries", type=int, default=500, help="nq/dev questions (default: 500)")
+    p.add_argument("--synthetic", choices=["mixture", "gaussian"], default="mixture",
+                   help="model the synthetic vectors are drawn from (default: %(default)s; see Mixture)")
+    p.add_argument("--components", type=int, default=256, help="mixture components (default: %(default)s)")
     p.add_argument("--docstore-rows", type=int, default=2_000_000, help="doc store size for lookups (0: skip)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/sisrl-scale"), help="vectors and indexes go here")
     args = p.parse_args()
@@ -146,13 +149,62 @@ def real_vectors(index: Path) -> np.ndarray:
     return x
 
 
-def write_vectors(real: np.ndarray, total: int, shard_dir: Path) -> None:
-    """Shards of SHARD_ROWS rows: the real vectors first, then Gaussian samples with their mean and covariance."""
+class Gaussian:
+    """One Gaussian with the real vectors' mean and covariance: their first two moments, no cluster structure."""
+
+    def __init__(self, real: np.ndarray) -> None:
+        self.mean = real.mean(axis=0)
+        eigval, eigvec = np.linalg.eigh(np.cov(real - self.mean, rowvar=False))
+        self.factor = (eigvec * np.sqrt(np.clip(eigval, 0, None))).T.astype(np.float32)
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return self.mean + rng.standard_normal((n, self.mean.shape[0]), dtype=np.float32) @ self.factor
+
+
+class Mixture:
+    """A Gaussian mixture fitted to the real vectors: k-means (spherical, `components` centroids) puts each real
+    vector in a component; a component's weight is its share of the real vectors, its mean theirs, and its
+    covariance half their own (the member residuals, rank < members) and half the covariance pooled over all
+    components scaled to this component's spread (so a sample is not confined to its members' span).
+    Topics cluster in real embeddings, and IVF's coarse quantiser relies on that; a single Gaussian has none."""
+
+    def __init__(self, real: np.ndarray, components: int, seed: int = 0) -> None:
+        import faiss
+
+        km = faiss.Kmeans(real.shape[1], components, niter=25, spherical=True, seed=seed, verbose=False)
+        km.train(real)
+        _, assign = km.index.search(real, 1)
+        assign = assign[:, 0]
+        self.members = [real[assign == c] for c in range(components) if (assign == c).sum() >= 2]
+        self.weights = np.array([len(m) for m in self.members], dtype=np.float64)
+        self.weights /= self.weights.sum()
+        self.means = [m.mean(axis=0) for m in self.members]
+        residuals = [m - mu for m, mu in zip(self.members, self.means, strict=True)]
+        self.spread = np.array([float((r ** 2).sum(axis=1).mean()) for r in residuals])  # trace of each covariance
+        pooled = np.concatenate(residuals)
+        eigval, eigvec = np.linalg.eigh(pooled.T @ pooled / len(pooled))
+        self.pooled = (eigvec * np.sqrt(np.clip(eigval, 0, None))).T.astype(np.float32)
+        self.pooled_trace = float(np.clip(eigval, 0, None).sum())
+        self.residuals = residuals
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        d = self.means[0].shape[0]
+        which = rng.choice(len(self.means), size=n, p=self.weights)
+        out = np.empty((n, d), dtype=np.float32)
+        for c in np.unique(which):
+            rows = np.flatnonzero(which == c)
+            r = self.residuals[c]
+            own = rng.standard_normal((len(rows), len(r)), dtype=np.float32) @ r / np.sqrt(len(r) - 1)
+            shared = rng.standard_normal((len(rows), d), dtype=np.float32) @ self.pooled
+            scale = np.sqrt(self.spread[c] / self.pooled_trace)
+            out[rows] = self.means[c] + np.sqrt(0.5) * own + np.sqrt(0.5) * scale * shared
+        return out
+
+
+def write_vectors(real: np.ndarray, total: int, shard_dir: Path, model: Gaussian | Mixture) -> None:
+    """Shards of SHARD_ROWS rows: the real vectors first, then samples of `model`, L2-normalised like the real."""
     from sisrl.retriever.index import shard_path
 
-    mean = real.mean(axis=0)
-    eigval, eigvec = np.linalg.eigh(np.cov(real - mean, rowvar=False))
-    factor = (eigvec * np.sqrt(np.clip(eigval, 0, None))).T.astype(np.float32)
     shard_dir.mkdir(parents=True, exist_ok=True)
     for s in range(total // SHARD_ROWS):
         path = shard_path(shard_dir.parent, s)
@@ -160,13 +212,39 @@ def write_vectors(real: np.ndarray, total: int, shard_dir: Path) -> None:
             continue
         rng = np.random.default_rng(1000 + s)
         n = SHARD_ROWS - (real.shape[0] if s == 0 else 0)
-        x = mean + rng.standard_normal((n, real.shape[1]), dtype=np.float32) @ factor
+        x = model.sample(n, rng)
         x /= np.linalg.norm(x, axis=1, keepdims=True)
         if s == 0:
             x = np.concatenate([real, x])
         tmp = path.with_suffix(".partial.npy")
         np.save(tmp, x.astype(np.float32))
         os.replace(tmp, path)
+
+
+def probe_check(real: np.ndarray, queries: np.ndarray, models: dict[str, Gaussian | Mixture],
+                nlist: int, nprobes: list[int]) -> dict[str, list[float]]:
+    """How much IVF's coarse quantiser loses on the real vectors and on as many samples of each model: nn recall@3
+    of an IVF-Flat (exact codes, so the probe is the only loss) against exact search, per nprobe. A model whose
+    recall is at or below the real vectors' does not flatter IVF at the 2 M sizes."""
+    import faiss
+
+    sets = {"real": real} | {name: m.sample(real.shape[0], np.random.default_rng(7)) for name, m in models.items()}
+    out: dict[str, list[float]] = {}
+    for name, x in sets.items():
+        x = np.ascontiguousarray(x / np.linalg.norm(x, axis=1, keepdims=True), dtype=np.float32)
+        exact = faiss.IndexFlatIP(x.shape[1])
+        exact.add(x)
+        _, ref = exact.search(queries, 3)
+        ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(x.shape[1]), x.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
+        ivf.cp.seed = 0
+        ivf.train(x)
+        ivf.add(x)
+        out[name] = []
+        for nprobe in nprobes:
+            ivf.nprobe = nprobe
+            _, ids = ivf.search(queries, 3)
+            out[name].append(overlap(ids, ref, 3))
+    return out
 
 
 def encode_questions(index: Path, limit: int) -> tuple[np.ndarray, list[set[int]]]:
@@ -240,11 +318,20 @@ def main() -> None:
     real = real_vectors(args.index)
     dim = real.shape[1]
     queries, gold = encode_questions(args.index, args.queries)
-    vec_dir = args.workdir / "vectors" / "shards"
     t0 = time.perf_counter()
-    write_vectors(real, max(args.sizes), vec_dir)
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); {real.shape[0]} real {dim}-d vectors from {args.index}, "
-          f"synthetic up to {max(args.sizes):,} ({time.perf_counter() - t0:.0f}s); {len(queries)} nq/dev queries; "
+    models: dict[str, Gaussian | Mixture] = {"mixture": Mixture(real, args.components), "gaussian": Gaussian(real)}
+    # The same share of lists probed as at the large sizes, on lists of ~100 real vectors.
+    small_nlist = max(16, real.shape[0] // 100)
+    small_probes = sorted({max(1, round(n * small_nlist / args.nlist)) for n in args.nprobes})
+    check = probe_check(real, queries, models, small_nlist, small_probes)
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); {real.shape[0]:,} real {dim}-d vectors from {args.index}; "
+          f"{len(queries)} nq/dev queries; model fit {time.perf_counter() - t0:.0f}s")
+    print(f"probe check at {real.shape[0]:,} vectors, IVF-Flat nlist {small_nlist}, nn recall@3 per nprobe "
+          f"{small_probes}: " + "; ".join(f"{k} {' / '.join(f'{v:.3f}' for v in vals)}" for k, vals in check.items()))
+    vec_dir = args.workdir / f"vectors-{args.synthetic}" / "shards"
+    t0 = time.perf_counter()
+    write_vectors(real, max(args.sizes), vec_dir, models[args.synthetic])
+    print(f"synthetic ({args.synthetic}) up to {max(args.sizes):,} ({time.perf_counter() - t0:.0f}s); "
           f"nlist {args.nlist}, nprobe {args.nprobes}, re-rank {args.rerank}, PQ {args.pq_m}x8", flush=True)
     rows: list[dict[str, Any]] = []
     for n in sorted(args.sizes):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,18 +20,31 @@ from sisrl.retriever.settings import Settings
 logger = logging.getLogger(__name__)
 
 
+def encode_plan(settings: Settings) -> tuple[int, int]:
+    """(encoder worker threads, intra-op threads of each) for `--encode-workers` / `--torch-threads`, 0 = auto.
+
+    On a CPU, one worker per core with one intra-op thread each beat one worker with a team of one thread per
+    core, torch and ONNX Runtime alike: no OpenMP barrier waits for a thread the event loop has descheduled
+    (AMD EPYC Zen 5, 2 cores, bench/retriever.py workloads: docs/retriever.md, "Serve"). A GPU gets one worker."""
+    gpu = settings.device not in ("auto", "cpu") or settings.faiss_gpu
+    workers = settings.encode_workers or (1 if gpu else len(os.sched_getaffinity(0)))
+    threads = settings.torch_threads or (1 if workers > 1 else 0)
+    return workers, threads
+
+
 def searcher_options(settings: Settings) -> SearcherOptions:
     return SearcherOptions(encoder=settings.encoder, dtype=settings.dtype, device=settings.device,
-                           backend=settings.backend, threads=settings.torch_threads,
+                           backend=settings.backend, threads=encode_plan(settings)[1],
                            encode_batch_size=settings.encode_batch_size, faiss_gpu=settings.faiss_gpu,
                            mmap_index=settings.mmap_index, nprobe=settings.nprobe, ef_search=settings.ef_search,
                            rerank=settings.rerank)
 
 
-def service_options(settings: Settings) -> ServiceOptions:
+def service_options(settings: Settings, workers: int) -> ServiceOptions:
     return ServiceOptions(dedupe=settings.dedupe, cache_size=settings.cache_size, coalesce_ms=settings.coalesce_ms,
-                          max_batch_queries=settings.max_batch_queries, offload=settings.offload,
-                          max_query_chars=settings.max_query_chars, encode_workers=settings.encode_workers)
+                          max_batch_queries=settings.max_batch_queries,
+                          pipeline_queries=settings.pipeline_queries, offload=settings.offload,
+                          max_query_chars=settings.max_query_chars, encode_workers=workers)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -45,11 +59,15 @@ def create_app(settings: Settings) -> FastAPI:
         except (ValueError, FileNotFoundError) as exc:
             logger.error("cannot start the retriever: %s", exc)
             raise
-        service = RetrievalService(searcher, service_options(settings), metrics_registry)
+        workers, threads = encode_plan(settings)
+        if searcher.encoder.device != "cpu":  # `--device auto` found a GPU: one stream of batches
+            workers = settings.encode_workers or 1
+        service = RetrievalService(searcher, service_options(settings, workers), metrics_registry)
         await service.start()
         app.state.service = service
         app.state.startup_seconds = time.perf_counter() - started
-        logger.info("retriever ready in %.2fs on index %s", app.state.startup_seconds, settings.index)
+        logger.info("retriever ready in %.2fs on index %s; %d encoder worker(s) x %s intra-op thread(s)",
+                    app.state.startup_seconds, settings.index, workers, threads or "default")
         try:
             yield
         finally:

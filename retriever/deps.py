@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import Depends
 from sisrl.common.http import app_state, bearer_dependency
@@ -16,7 +16,7 @@ get_metrics = app_state("metrics", Metrics)
 
 
 # When `api_token` is set, demand `Authorization: Bearer <token>` (sisrl.common.http).
-require_token = bearer_dependency(lambda request: get_settings(request).api_token)
+require_token = bearer_dependency(lambda request: cast(Settings, request.app.state.settings).api_token)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -137,6 +137,7 @@ class Encoder:
     """Encodes queries and passages into L2-normalised float32 vectors of size `dim`; see `load_encoder`."""
 
     backend = "none"
+    device = "cpu"  # resolved: cpu | cuda | mps (the part before any ':N')
 
     def __init__(self, cfg: EncoderConfig, facts: ModelFacts, dtype: str) -> None:
         self.cfg = cfg
@@ -206,6 +207,7 @@ class TorchEncoder(Encoder):
     def __init__(self, cfg: EncoderConfig, model: Any, dtype: str = "float32") -> None:
         super().__init__(cfg, model_facts(model), dtype)
         self._model = model
+        self.device = model.device.type
         model.max_seq_length = cfg.max_length
         self.model_normalizes: bool = any(type(module).__name__ == "Normalize" for module in model)
 
@@ -232,6 +234,7 @@ class OnnxEncoder(Encoder):
         super().__init__(cfg, ModelFacts(dim=meta.dim, prompts=meta.prompts, pooling=meta.pooling,
                                          position_limit=meta.position_limit), "float32")
         self.backend = backend  # onnx | onnx-int8
+        self.device = cfg.device.split(":")[0] if cfg.device.startswith("cuda") else "cpu"
         self._model = model
 
     def _embed(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:

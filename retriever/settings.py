@@ -36,11 +36,15 @@ class Settings(BaseSettings):
     coalesce_ms: float = Field(2.0, ge=0, le=1000, description="collect concurrent requests this long into one "
                                "encoder batch; 0 turns coalescing off")
     max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
+    pipeline_queries: int = Field(64, ge=0, description="search a coalesced batch in pieces of this many queries "
+                                  "(shortest first) and answer each request as soon as its piece is done, so "
+                                  "responses go out while the next piece encodes; 0 = answer the whole batch at once")
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
-    torch_threads: int = Field(0, ge=0, description="intra-op threads of the encoder (torch or ONNX Runtime); "
-                               "0 = the runtime's default (one per core); 1 avoids OpenMP spin-waits on a machine shared with other jobs")
-    encode_workers: int = Field(1, ge=1, le=64, description="worker threads that encode and search; a batch "
-                                "is split across them (with --torch-threads 1, one per core suits a shared CPU)")
+    torch_threads: int = Field(0, ge=0, description="intra-op threads of each encoder worker (torch or ONNX "
+                               "Runtime); 0 = 1 when there are several workers, else the runtime's default (one per core)")
+    encode_workers: int = Field(0, ge=0, le=64, description="worker threads that encode and search, a batch split "
+                                "across them; 0 = one per core for a CPU encoder (each with one intra-op thread: no "
+                                "OpenMP barriers), 1 on a GPU")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")

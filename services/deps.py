@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import Depends, HTTPException, Request, status
 from pydantic import SecretStr
@@ -24,7 +24,7 @@ STORE_ONLY = ("the gateway runs store-only (sisrl-gateway serve --store-only): i
 STORE_ONLY_RESPONSE = {503: {"description": "the gateway runs store-only: no engine"}}
 
 
-def get_live(state: StateDep) -> Live:
+async def get_live(state: StateDep) -> Live:
     if state.live is None:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=STORE_ONLY)
     return state.live
@@ -42,7 +42,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def _api_token(request: Request) -> SecretStr | None:
-    return get_state(request).settings.api_token
+    return cast(GatewayState, request.app.state.gateway).settings.api_token
 
 
 # 401 unless the request carries `Authorization: Bearer <api_token>` (no check when no token is set).

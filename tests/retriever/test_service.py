@@ -61,8 +61,11 @@ def _assert_same(got: list[list[list[tuple[str, float]]]], want: list[list[list[
 
 @pytest.mark.parametrize("options", [ALL_OFF, ALL_ON, ServiceOptions(dedupe=True, cache_size=0, coalesce_ms=0),
                                      ServiceOptions(dedupe=False, cache_size=16, coalesce_ms=5, offload=False),
-                                     ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=0, encode_workers=3)],
-                         ids=["all-off", "all-on", "dedupe-only", "cache+coalesce-inline", "3-workers"])
+                                     ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=0, encode_workers=3),
+                                     ServiceOptions(cache_size=0, coalesce_ms=50, pipeline_queries=2, encode_workers=2),
+                                     ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=50, pipeline_queries=3)],
+                         ids=["all-off", "all-on", "dedupe-only", "cache+coalesce-inline", "3-workers",
+                              "pipelined-pieces-of-2", "pipelined-no-dedupe"])
 def test_every_switch_setting_gives_the_plain_search_results(searcher: Searcher, options: ServiceOptions) -> None:
     _assert_same(_run(searcher, options, REQUESTS), _expected(searcher))
 
@@ -162,3 +165,59 @@ def test_offload_keeps_the_event_loop_free(searcher: Searcher, offload: bool) ->
     loop_thread = asyncio.run(main())
     assert probe.answered_during_search is offload
     assert (probe.thread != loop_thread) is offload  # offloaded: the search ran in a worker thread
+
+
+class _CountingSearcher:
+    """The real searcher, counting its calls (one per piece of a coalesced batch)."""
+
+    def __init__(self, searcher: Searcher) -> None:
+        self.searcher, self.calls = searcher, 0
+        self.manifest, self.encoder = searcher.manifest, searcher.encoder
+
+    def search(self, queries: list[str], k: int) -> list[list[tuple[object, float]]]:
+        self.calls += 1
+        return self.searcher.search(queries, k)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("pipeline", [4, 0])
+def test_a_pipelined_batch_answers_each_request_when_its_piece_is_done(searcher: Searcher, pipeline: int) -> None:
+    counting = _CountingSearcher(searcher)
+    long_request = [f"a much longer question number {i} about the history of volcanoes" for i in range(20)]
+    calls_when_answered: dict[str, int] = {}
+
+    async def ask(service: RetrievalService, name: str, queries: list[str]) -> None:
+        await service.retrieve(queries, 3)
+        calls_when_answered[name] = counting.calls
+
+    async def main() -> None:
+        service = RetrievalService(counting, ServiceOptions(cache_size=0, coalesce_ms=50,  # type: ignore[arg-type]
+                                                            pipeline_queries=pipeline), Metrics())
+        await service.start()
+        try:
+            await asyncio.gather(ask(service, "short", ["rice"]), ask(service, "long", long_request))
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    if pipeline:  # 21 distinct queries in pieces of 4, shortest first: "rice" is in the first of six
+        assert counting.calls == 6
+        assert calls_when_answered == {"short": 1, "long": 6}
+    else:  # one call for the whole batch; both answered after it
+        assert counting.calls == 1
+        assert calls_when_answered == {"short": 1, "long": 1}
+
+
+def test_encode_plan_is_one_single_threaded_worker_per_core_on_a_cpu() -> None:
+    import os
+
+    from sisrl.retriever.app import encode_plan
+    from sisrl.retriever.settings import Settings
+
+    cores = len(os.sched_getaffinity(0))
+    index = Path("unused-index")
+    assert encode_plan(Settings(index=index)) == (cores, 1 if cores > 1 else 0)
+    assert encode_plan(Settings(index=index, encode_workers=1)) == (1, 0)  # one worker: the runtime's own team
+    assert encode_plan(Settings(index=index, encode_workers=3)) == (3, 1)
+    assert encode_plan(Settings(index=index, torch_threads=2)) == (cores, 2)
+    assert encode_plan(Settings(index=index, device="cuda")) == (1, 0)
+    assert encode_plan(Settings(index=index, faiss_gpu=True, encode_workers=2, torch_threads=4)) == (2, 4)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import Depends
 from sisrl.common.http import app_state, bearer_dependency
@@ -19,4 +19,4 @@ EngineDep = Annotated[LocalEngine, Depends(get_engine)]
 SettingsDep = Annotated[ServerSettings, Depends(get_settings)]
 MetricsDep = Annotated[EngineMetrics, Depends(get_metrics)]
 # 401 unless `Authorization: Bearer <token>` matches $SISRL_ENGINE_API_TOKEN (no check when it is unset).
-TokenDep = Depends(bearer_dependency(lambda request: get_settings(request).api_token))
+TokenDep = Depends(bearer_dependency(lambda request: cast(ServerSettings, request.app.state.settings).api_token))

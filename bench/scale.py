@@ -1,7 +1,12 @@
 """wiki-18 scale by simulation: each FAISS index type of `sisrl-retriever build` over up to ~2 M vectors (the real
-passage embeddings of an index, plus synthetic vectors drawn from a Gaussian with their mean and covariance, then
-L2-normalised like the real ones), with the real nq/dev questions as queries; then the same formulas extrapolated
-to wiki-18's 21 M passages.
+passage embeddings of an index, plus synthetic vectors drawn from a Gaussian mixture fitted to them, `--synthetic
+mixture`, or from one Gaussian with their mean and covariance, `--synthetic gaussian`; L2-normalised like the real
+ones), with the real nq/dev questions as queries; then the same formulas extrapolated to wiki-18's 21 M passages.
+
+The mixture is calibrated first (`calibrate`): its components are widened until an IVF-Flat over as many of its
+samples as there are real vectors finds no more of the exact top 3 than it does over the real vectors, with the
+same share of lists probed as at the large sizes. A single Gaussian has no cluster structure at all, IVF's worst
+case (it is printed beside them: far below the real vectors).
 
     .venv/bin/python bench/subset_corpus.py --others 2503 --out /tmp/bench3k.jsonl
     .venv/bin/python -m sisrl.retriever.cli build --corpus /tmp/bench3k.jsonl --out /tmp/bench3k
@@ -15,8 +20,8 @@ q/s (one batch of all queries, all cores), neighbour recall@3 / @10 against flat
 flat's top-k found), and gold recall@3 of the real nq/dev gold passages (they sit among the real rows; a gold hit
 must beat every synthetic vector too). For the IVF types one row per `--nprobes` value, each also with
 `--rerank R`: R candidates re-scored exactly from the memory-mapped float shards (`serve --rerank R`; the shards
-stay on disk, the page cache holds what queries touch). Then the doc store: random lookups at 2 M rows. The synthetic vectors keep
-the real ones' first and second moments, not their cluster structure, so recall on them is an estimate.
+stay on disk, the page cache holds what queries touch). Then the doc store: random lookups at 2 M rows. Recall on
+synthetic vectors is an estimate: the calibration matches IVF's probe loss at the real corpus's size, not at 2 M.
 """
 
 from __future__ import annotations
@@ -186,6 +191,7 @@ class Mixture:
         self.pooled = (eigvec * np.sqrt(np.clip(eigval, 0, None))).T.astype(np.float32)
         self.pooled_trace = float(np.clip(eigval, 0, None).sum())
         self.residuals = residuals
+        self.spread_factor = 1.0  # widens every component (see calibrate)
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         d = self.means[0].shape[0]
@@ -197,7 +203,7 @@ class Mixture:
             own = rng.standard_normal((len(rows), len(r)), dtype=np.float32) @ r / np.sqrt(len(r) - 1)
             shared = rng.standard_normal((len(rows), d), dtype=np.float32) @ self.pooled
             scale = np.sqrt(self.spread[c] / self.pooled_trace)
-            out[rows] = self.means[c] + np.sqrt(0.5) * own + np.sqrt(0.5) * scale * shared
+            out[rows] = self.means[c] + self.spread_factor * (np.sqrt(0.5) * own + np.sqrt(0.5) * scale * shared)
         return out
 
 
@@ -221,30 +227,42 @@ def write_vectors(real: np.ndarray, total: int, shard_dir: Path, model: Gaussian
         os.replace(tmp, path)
 
 
-def probe_check(real: np.ndarray, queries: np.ndarray, models: dict[str, Gaussian | Mixture],
-                nlist: int, nprobes: list[int]) -> dict[str, list[float]]:
-    """How much IVF's coarse quantiser loses on the real vectors and on as many samples of each model: nn recall@3
-    of an IVF-Flat (exact codes, so the probe is the only loss) against exact search, per nprobe. A model whose
-    recall is at or below the real vectors' does not flatter IVF at the 2 M sizes."""
+def probe_recall(x: np.ndarray, queries: np.ndarray, nlist: int, nprobes: list[int]) -> list[float]:
+    """nn recall@3 of an IVF-Flat over `x` (exact codes, so the probe is the only loss) against exact search,
+    per nprobe."""
     import faiss
 
-    sets = {"real": real} | {name: m.sample(real.shape[0], np.random.default_rng(7)) for name, m in models.items()}
-    out: dict[str, list[float]] = {}
-    for name, x in sets.items():
-        x = np.ascontiguousarray(x / np.linalg.norm(x, axis=1, keepdims=True), dtype=np.float32)
-        exact = faiss.IndexFlatIP(x.shape[1])
-        exact.add(x)
-        _, ref = exact.search(queries, 3)
-        ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(x.shape[1]), x.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
-        ivf.cp.seed = 0
-        ivf.train(x)
-        ivf.add(x)
-        out[name] = []
-        for nprobe in nprobes:
-            ivf.nprobe = nprobe
-            _, ids = ivf.search(queries, 3)
-            out[name].append(overlap(ids, ref, 3))
+    x = np.ascontiguousarray(x / np.linalg.norm(x, axis=1, keepdims=True), dtype=np.float32)
+    exact = faiss.IndexFlatIP(x.shape[1])
+    exact.add(x)
+    _, ref = exact.search(queries, 3)
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(x.shape[1]), x.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
+    ivf.cp.seed = 0
+    ivf.train(x)
+    ivf.add(x)
+    out = []
+    for nprobe in nprobes:
+        ivf.nprobe = nprobe
+        _, ids = ivf.search(queries, 3)
+        out.append(overlap(ids, ref, 3))
     return out
+
+
+def calibrate(real: np.ndarray, queries: np.ndarray, mixture: Mixture, nlist: int,
+              nprobes: list[int]) -> dict[str, Any]:
+    """Widen the mixture's components until IVF loses at least as much on as many of its samples as on the real
+    vectors (nn recall@3 at every nprobe <= the real one's): then the mixture does not flatter IVF at the large
+    sizes. Returns the spread chosen and the recalls of real, mixture and the single Gaussian."""
+    target = probe_recall(real, queries, nlist, nprobes)
+    rng = np.random.default_rng(7)
+    got: list[float] = []
+    for spread in np.round(np.arange(1.0, 2.51, 0.1), 2):
+        mixture.spread_factor = float(spread)
+        got = probe_recall(mixture.sample(real.shape[0], rng), queries, nlist, nprobes)
+        if all(g <= t for g, t in zip(got, target, strict=True)):
+            break
+    gaussian = probe_recall(Gaussian(real).sample(real.shape[0], rng), queries, nlist, nprobes)
+    return {"spread": mixture.spread_factor, "real": target, "mixture": got, "gaussian": gaussian}
 
 
 def encode_questions(index: Path, limit: int) -> tuple[np.ndarray, list[set[int]]]:
@@ -319,18 +337,23 @@ def main() -> None:
     dim = real.shape[1]
     queries, gold = encode_questions(args.index, args.queries)
     t0 = time.perf_counter()
-    models: dict[str, Gaussian | Mixture] = {"mixture": Mixture(real, args.components), "gaussian": Gaussian(real)}
+    model: Gaussian | Mixture = Gaussian(real)
     # The same share of lists probed as at the large sizes, on lists of ~100 real vectors.
     small_nlist = max(16, real.shape[0] // 100)
     small_probes = sorted({max(1, round(n * small_nlist / args.nlist)) for n in args.nprobes})
-    check = probe_check(real, queries, models, small_nlist, small_probes)
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); {real.shape[0]:,} real {dim}-d vectors from {args.index}; "
-          f"{len(queries)} nq/dev queries; model fit {time.perf_counter() - t0:.0f}s")
-    print(f"probe check at {real.shape[0]:,} vectors, IVF-Flat nlist {small_nlist}, nn recall@3 per nprobe "
-          f"{small_probes}: " + "; ".join(f"{k} {' / '.join(f'{v:.3f}' for v in vals)}" for k, vals in check.items()))
-    vec_dir = args.workdir / f"vectors-{args.synthetic}" / "shards"
+          f"{len(queries)} nq/dev queries")
+    if args.synthetic == "mixture":
+        model = Mixture(real, args.components)
+        check = calibrate(real, queries, model, small_nlist, small_probes)
+        print(f"probe check at {real.shape[0]:,} vectors, IVF-Flat nlist {small_nlist}, nn recall@3 at nprobe "
+              f"{small_probes}: real " + " / ".join(f"{v:.3f}" for v in check["real"]) +
+              f"; mixture of {len(model.means)} components, spread x{check['spread']:.1f}: " +
+              " / ".join(f"{v:.3f}" for v in check["mixture"]) + "; single Gaussian: " +
+              " / ".join(f"{v:.3f}" for v in check["gaussian"]) + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+    vec_dir = args.workdir / f"vectors-{args.synthetic}" / "shards"  # delete it after changing the model
     t0 = time.perf_counter()
-    write_vectors(real, max(args.sizes), vec_dir, models[args.synthetic])
+    write_vectors(real, max(args.sizes), vec_dir, model)
     print(f"synthetic ({args.synthetic}) up to {max(args.sizes):,} ({time.perf_counter() - t0:.0f}s); "
           f"nlist {args.nlist}, nprobe {args.nprobes}, re-rank {args.rerank}, PQ {args.pq_m}x8", flush=True)
     rows: list[dict[str, Any]] = []

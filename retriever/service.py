@@ -7,7 +7,8 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
   clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it.
 - `pipeline_queries`: a coalesced batch is searched in pieces (shortest queries first) and each request is
   answered as soon as its piece is done, so responses and new requests flow while the next piece encodes.
-- `offload`: encoding and search run in one worker thread, so the event loop keeps accepting requests.
+- `offload`: encoding and search run in worker threads (`encode_workers`), so the event loop keeps accepting
+  requests.
 """
 
 from __future__ import annotations

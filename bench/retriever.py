@@ -181,12 +181,9 @@ def cpu_peak_flops() -> tuple[float, str]:
     """fp32 FMA peak of the cores this process may use: cores x 2 FMA units x lanes x 2 x clock, with 16 fp32
     lanes where AVX-512 runs on a 512-bit datapath (Intel's AVX-512 server cores, AMD Zen 5 = family 26) and 8
     otherwise (AVX2, and Zen 4 = family 25, which executes a 512-bit instruction as two 256-bit halves)."""
-    from sisrl.common.hardware import cpu_flags
+    from sisrl.common.hardware import cpu_fields, cpu_flags
 
-    fields = {}
-    for line in open("/proc/cpuinfo"):
-        if ":" in line:
-            fields.setdefault(line.split(":")[0].strip(), line.split(":", 1)[1].strip())
+    fields = cpu_fields()
     mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
     cores = len(os.sched_getaffinity(0))
     amd_256 = fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", "0")) < 26

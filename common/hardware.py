@@ -59,22 +59,31 @@ def resolve_dtype(requested: str, device: str, *, what: str) -> str:
     return chosen
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's `model name`, family/model and vector ISA, for the line printed beside every benchmark figure.
-
-    e.g. `AMD EPYC (family 25 model 17; AVX-512, native bf16: avx512_bf16)`. Machines sold under one model name
-    differ (an AVX2-only EPYC and an AVX-512 one both report `AMD EPYC`), and their figures are not comparable.
-    """
+def cpu_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first CPU's block of /proc/cpuinfo as {field: value} (`vendor_id`, `cpu family`, `flags`, ...); {} when
+    it cannot be read."""
     try:
         text = cpuinfo.read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return "unknown CPU"
+        return {}
     fields: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip() and fields:
             break  # the first CPU's block only
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's `model name`, family/model and vector ISA, for the line printed beside every benchmark figure.
+
+    e.g. `AMD EPYC (family 25 model 17; AVX-512, native bf16: avx512_bf16)`. Machines sold under one model name
+    differ (an AVX2-only EPYC and an AVX-512 one both report `AMD EPYC`), and their figures are not comparable.
+    """
+    fields = cpu_fields(cpuinfo)
+    if not fields:
+        return "unknown CPU"
     flags = frozenset(fields.get("flags", fields.get("Features", "")).split())
     parts = []
     if "cpu family" in fields and "model" in fields:

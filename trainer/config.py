@@ -36,6 +36,9 @@ class ModelConfig(_Section):
                                          "knob: backward then stops at the lowest trainable layer")
     compact_logits: bool = Field(default=True, description="run the lm_head, log-softmax, top-K and entropy only at the "
                                  "policy's own tokens (loss mask 1), not at inserted passages; same losses, less work")
+    shared_prefix: bool = Field(default=True, description="with compact_logits: the prompt tokens every row of a "
+                                "micro-batch starts with (the instructions) run through the model once and their "
+                                "keys/values serve every row; same logits and gradients, less work")
 
 
 class DataFile(_Section):

@@ -130,7 +130,7 @@ def setup(cfg: TrainConfig) -> Session:
     updater = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,
                       temperature=cfg.rollout.temperature, chunk_size=cfg.model.logprob_chunk_size,
                       autocast=cfg.model.autocast_bf16, ref_model=ref_model, rank=ctx.rank, world=ctx.world,
-                      compact_logits=cfg.model.compact_logits)
+                      compact_logits=cfg.model.compact_logits, shared_prefix=cfg.model.shared_prefix)
     s = Session(ctx=ctx, run_dir=run_dir, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                 generator=generator, updater=updater, sampler=build_sampler(cfg) if ctx.is_main else None,
                 source=build_source(cfg, model, len(tokenizer)) if ctx.is_main else None, writer=None)

@@ -7,6 +7,7 @@ and `trainer/sis.py` gathers from them (in chunks when `model.logprob_chunk_size
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from sisrl.common.models import build_tiny_policy, load_tokenizer, resolve_polic
 from sisrl.trainer.batch import RolloutBatch
 from sisrl.trainer.config import ModelConfig, OptimConfig
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 TINY = "tiny"
 
@@ -99,7 +100,7 @@ def response_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = F
 
 
 def policy_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = False,
-                  compact: bool = False) -> tuple[Tensor, RolloutBatch]:
+                  compact: bool = False, shared_prefix: bool = False) -> tuple[Tensor, RolloutBatch]:
     """Logits of the response tokens and the batch whose per-token fields line up with them.
 
     `compact=False`: `response_logits` and `batch` itself ([B, T, V]). `compact=True`: only the policy's own
@@ -108,6 +109,8 @@ def policy_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = Fal
     lm_head and every [.., V] pass after it (log-softmax, top-K, entropy) then run on T' instead of T
     positions. Falls back to the full layout for wrapped models (DDP, FSDP2) and heads that are not a plain
     projection of the decoder output.
+
+    `shared_prefix` (compact only): the leading prompt tokens all rows have in common run once (`prefix_hidden`).
     """
     split = _decoder_and_head(model) if compact else None
     if split is None:
@@ -117,10 +120,83 @@ def policy_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = Fal
     assert view.positions is not None
     t = batch.response_len
     with autocast_context(autocast, batch.input_ids.device):
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         position_ids=batch.position_ids, use_cache=False).last_hidden_state[:, -t - 1:-1]  # [B, T, H]
+        shared = common_prefix_length(batch) if shared_prefix and not _checkpointing(decoder) else 0
+        if shared >= MIN_SHARED_PREFIX:
+            hidden = prefix_hidden(decoder, batch, shared)  # [B, T, H]
+        else:
+            hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, use_cache=False).last_hidden_state[:, -t - 1:-1]
         picked = hidden.gather(1, view.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, T', H]
         return head(picked), view
+
+
+# Shorter common prefixes are not worth a second forward call.
+MIN_SHARED_PREFIX = 16
+
+
+def common_prefix_length(batch: RolloutBatch) -> int:
+    """How many leading prompt tokens every row shares (same ids at positions 0, 1, ...), capped one short of the
+    shortest prompt so that each row keeps a prompt token of its own; 0 for a single row.
+
+    A search agent's prompts are the instructions followed by the question, so rows of different questions share
+    the instructions (~130 of the demo's 150 prompt tokens), and the rows of one GRPO group share the whole prompt.
+    """
+    if batch.compacted:
+        raise ValueError("common_prefix_length needs the batch in its padded layout")
+    if batch.size < 2:
+        return 0
+    width = batch.input_ids.shape[1] - batch.response_len  # P: prompt columns, left-padded
+    lengths = batch.attention_mask[:, :width].sum(dim=1)  # [B] real prompt tokens per row
+    shortest = int(lengths.min())
+    if shortest < 2:
+        return 0
+    cols = (width - lengths).unsqueeze(1) + torch.arange(shortest - 1, device=lengths.device)  # [B, shortest - 1]
+    ids, positions = batch.input_ids.gather(1, cols), batch.position_ids.gather(1, cols)
+    same = (ids == ids[:1]).all(dim=0) & (positions == torch.arange(shortest - 1, device=lengths.device)).all(dim=0)
+    return int(same.long().cumprod(dim=0).sum())
+
+
+def prefix_hidden(decoder: nn.Module, batch: RolloutBatch, shared: int) -> Tensor:
+    """`decoder(batch).last_hidden_state[:, -T - 1:-1]` ([B, T, H]) with the first `shared` prompt tokens, common to
+    every row (`common_prefix_length`), run once.
+
+    The prefix runs as one row; its keys/values, expanded to B rows, are the cache for the rest: the last R + T
+    columns of the batch (R = the longest prompt remainder), in which the columns a row's prefix already covers are
+    masked out. Positions stay the batch's own, so every real token sees the same keys, values and positions as in
+    the full forward: same hidden states (up to float round-off) and, through the expanded cache, the same
+    gradients, the prefix's summed over the rows.
+    """
+    width = batch.input_ids.shape[1] - batch.response_len
+    lengths = batch.attention_mask[:, :width].sum(dim=1)  # [B]
+    rest = lengths - shared  # [B] >= 1 prompt tokens after the prefix
+    start = width - int(rest.max())  # first column of the remainder block
+    first = int(width - lengths[0])
+    device = batch.input_ids.device
+    ids = batch.input_ids[:1, first:first + shared]  # [1, shared]
+    kw = _cache_keyword(decoder)
+    out = decoder(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  position_ids=torch.arange(shared, device=device).unsqueeze(0), use_cache=True)
+    cache = getattr(out, kw)
+    layers = [(layer.keys.expand(batch.size, -1, -1, -1), layer.values.expand(batch.size, -1, -1, -1))
+              for layer in cache.layers]
+    cols = torch.arange(start, batch.input_ids.shape[1], device=device)  # [R + T]
+    mask = batch.attention_mask[:, start:] * (cols.unsqueeze(0) >= (width - rest).unsqueeze(1))  # [B, R + T]
+    full_mask = torch.cat([torch.ones(batch.size, shared, dtype=mask.dtype, device=device), mask], dim=1)
+    out = decoder(input_ids=batch.input_ids[:, start:], attention_mask=full_mask,
+                  position_ids=batch.position_ids[:, start:], use_cache=True,
+                  **{kw: DynamicCache(ddp_cache_data=layers)})
+    t = batch.response_len
+    return out.last_hidden_state[:, -t - 1:-1]
+
+
+def _cache_keyword(decoder: nn.Module) -> str:
+    """transformers 5 renamed `past_key_values` to `cache` (argument and output field); either release works."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def _checkpointing(decoder: nn.Module) -> bool:
+    """Gradient checkpointing turns the cache off in training, so the prefix could not be reused."""
+    return bool(getattr(decoder, "gradient_checkpointing", False)) and decoder.training
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:

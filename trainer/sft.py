@@ -80,13 +80,13 @@ def masked_nll(logp: Tensor, mask: Tensor, total_tokens: float) -> Tensor:
 
 
 def sft_update(model: nn.Module, b: RolloutBatch, *, micro: int, chunk_size: int | None,
-               autocast: bool, compact: bool = False) -> tuple[float, float]:
+               autocast: bool, compact: bool = False, shared_prefix: bool = False) -> tuple[float, float]:
     """Forward/backward of one optimizer batch in micro-batches; returns (mean NLL, tokens). No step here."""
     total = float(b.mask.sum())
     loss_sum = 0.0
     for idx in torch.arange(b.size).split(micro):
         mb = b.select(idx)
-        logits, mb = policy_logits(model, mb, autocast=autocast, compact=compact)
+        logits, mb = policy_logits(model, mb, autocast=autocast, compact=compact, shared_prefix=shared_prefix)
         logp = gather_logprobs(logits, mb.response_ids, 1.0, chunk_size)
         loss = masked_nll(logp, mb.mask, total)  # [B, T] -> scalar
         loss.backward()
@@ -136,7 +136,7 @@ def train_sft(cfg: TrainConfig, demos: list[Trajectory] | None = None) -> SFTRes
             b = sft_batch([demos[i] for i in rows], pad_id=pad_id).to(device)
             nll, tokens = sft_update(model, b, micro=cfg.optim.micro_batch_size or b.size,
                                      chunk_size=cfg.model.logprob_chunk_size, autocast=cfg.model.autocast_bf16,
-                                     compact=cfg.model.compact_logits)
+                                     compact=cfg.model.compact_logits, shared_prefix=cfg.model.shared_prefix)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()

@@ -95,6 +95,7 @@ class Updater:
     autocast: bool = False
     ref_model: nn.Module | None = None
     compact_logits: bool = False  # lm_head and [.., V] passes only at policy tokens (policy.policy_logits)
+    shared_prefix: bool = False  # the prompt tokens all rows share run once (policy.prefix_hidden)
     rank: int = 0
     world: int = 1
 
@@ -164,7 +165,8 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
     """Loss of one micro-batch (scaled so that summing micro-batches and DDP-averaging ranks gives the
     mini-batch loss), its detached metrics, and its TokenRecords when `rows` (batch rows of mb) is given."""
     padded = mb
-    logits, mb = policy_logits(u.model, mb, autocast=u.autocast, compact=u.compact_logits)  # [b, T', V]
+    logits, mb = policy_logits(u.model, mb, autocast=u.autocast, compact=u.compact_logits,
+                               shared_prefix=u.shared_prefix)  # [b, T', V]
     logp, topk_logp = token_and_topk_logprobs(logits, mb.response_ids, mb.topk_ids, u.temperature, u.chunk_size)
     in_topk = token_in_topk(mb.response_ids, mb.topk_ids)  # [b, T]
     ratio = compute_log_ratio(
@@ -193,7 +195,8 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
         loss = loss - u.algo.entropy_coef * aggregate(entropy, mb.mask, agg, global_tokens, u.world)
     if u.ref_model is not None and u.algo.kl_coef > 0:
         with torch.no_grad():
-            ref_logits, _ = policy_logits(u.ref_model, padded, autocast=u.autocast, compact=u.compact_logits)
+            ref_logits, _ = policy_logits(u.ref_model, padded, autocast=u.autocast, compact=u.compact_logits,
+                                          shared_prefix=u.shared_prefix)
             ref_logp = gather_logprobs(ref_logits, mb.response_ids, u.temperature, u.chunk_size)
         kl = kl_penalty(logp, ref_logp, u.algo.kl_type)  # [b, T]
         metrics["actor/kl_ref"] = masked_mean(kl.detach(), mb.mask)

@@ -7,6 +7,9 @@ length (padding included), H = KV heads, D = head size, V = vocabulary.
 Left padding is exact: each row gets its own position ids (count of its real tokens) and the attention mask hides
 the pad columns, so a row's logits do not depend on what else is in the batch (up to fp32 round-off). Keys are
 cached after RoPE, so shifting a row's columns right when it is padded leaves its attention unchanged.
+
+Every cache layer is a `GrowingLayer`: a decode step writes its one column into spare room instead of copying the
+whole cache, as transformers' `DynamicLayer` does (`torch.cat` per layer per token).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+
+# Shorter common prefixes are not worth a forward pass of their own.
+MIN_SHARED_PREFIX = 16
 
 
 class KVBatch:
@@ -33,6 +39,7 @@ class KVBatch:
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, L]; 1 = real, 0 = left pad
         self.forward_passes = 0
+        self.shared_prefix_tokens = 0  # prompt tokens not prefilled because another row's prefix covered them
 
     @property
     def size(self) -> int:
@@ -60,7 +67,9 @@ class KVBatch:
 
         `pasts[i]`, when given, is the cached KV of the first `pasts[i].length` tokens of `prompts[i]`
         (`PrefixCache.take`); only the rest of that prompt runs through the model. Identical (prompt, past)
-        pairs, e.g. the samples of one GRPO group, run once and their rows are copied.
+        pairs, e.g. the samples of one GRPO group, run once and their rows are copied. The leading tokens that
+        the distinct prompts without a past all share (an agent's instructions, before each question) run once
+        too, as one row, and serve them as a common past (`shared_prefix_tokens` counts the tokens saved).
         """
         pasts = pasts if pasts is not None else [None] * len(prompts)
         keys = [(tuple(p), id(past)) for p, past in zip(prompts, pasts, strict=True)]
@@ -72,6 +81,7 @@ class KVBatch:
                 uniq.append(i)
         inverse = torch.tensor([first[key] for key in keys], dtype=torch.long, device=self.device)
         u_prompts, u_pasts = [prompts[i] for i in uniq], [pasts[i] for i in uniq]
+        u_pasts = self._share_prefix(u_prompts, u_pasts)
         cut = [past.length if past is not None else 0 for past in u_pasts]
         suffix = [p[c:] for p, c in zip(u_prompts, cut, strict=True)]
         width = max(len(x) for x in suffix)
@@ -85,16 +95,36 @@ class KVBatch:
             mask = torch.cat([past_mask, mask], dim=-1)  # [u, Lp + S]: pads between past and suffix are masked
         logits = self._forward(ids, mask, positions, cache)
         if len(uniq) < len(prompts):  # copy the shared rows
-            cache = DynamicCache(ddp_cache_data=[(k[inverse], v[inverse]) for k, v in _kv(cache)])
+            cache = _cache([(k[inverse], v[inverse]) for k, v in _kv(cache)])
             mask, logits = mask[inverse], logits[inverse]
         self._merge(cache, mask)
         return logits
+
+    def _share_prefix(self, prompts: list[list[int]], pasts: list[RowKV | None]) -> list[RowKV | None]:
+        """`pasts` with the longest prefix common to the prompts that have none (if >= MIN_SHARED_PREFIX tokens,
+        one token short of the shortest so each row keeps one to produce its logits) filled in, computed once."""
+        fresh = [i for i, past in enumerate(pasts) if past is None]
+        if len(fresh) < 2:
+            return pasts
+        first = prompts[fresh[0]]
+        limit = min(len(prompts[i]) for i in fresh) - 1
+        shared = 0
+        while shared < limit and all(prompts[i][shared] == first[shared] for i in fresh):
+            shared += 1
+        if shared < MIN_SHARED_PREFIX:
+            return pasts
+        ids = torch.tensor([first[:shared]], dtype=torch.long, device=self.device)  # [1, shared]
+        cache = _cache([])
+        self._forward(ids, torch.ones_like(ids), torch.arange(shared, device=self.device).unsqueeze(0), cache)
+        past = RowKV([(k[0], v[0]) for k, v in _kv(cache)])  # [H, shared, D] per layer
+        self.shared_prefix_tokens += shared * (len(fresh) - 1)
+        return [past if i in fresh else p for i, p in enumerate(pasts)]
 
     def _past_cache(self, pasts: list[RowKV | None]) -> tuple[DynamicCache, torch.Tensor | None]:
         """A cache holding each row's cached prefix, left-padded to the longest, and its mask; empty if none."""
         length = max((past.length for past in pasts if past is not None), default=0)
         if length == 0:
-            return DynamicCache(), None
+            return _cache([]), None
         ref = next(past for past in pasts if past is not None)
         layers = []
         for li, (k_ref, _) in enumerate(ref.layers):
@@ -110,7 +140,7 @@ class KVBatch:
         for row, past in enumerate(pasts):
             if past is not None:
                 mask[row, length - past.length:] = 1
-        return DynamicCache(ddp_cache_data=layers), mask
+        return _cache(layers), mask
 
     def row_kv(self, row: int) -> RowKV:
         """The cached keys/values of one row's real tokens (its prompt and every token fed since)."""
@@ -141,9 +171,7 @@ class KVBatch:
         start = int(self.mask.any(dim=0).long().argmax())  # first column some row still attends to
         self.mask = self.mask[:, start:]
         assert self.cache is not None
-        self.cache = DynamicCache(
-            ddp_cache_data=[(k[index, :, start:], v[index, :, start:]) for k, v in _kv(self.cache)]
-        )
+        self.cache = _cache([(k[index, :, start:], v[index, :, start:]) for k, v in _kv(self.cache)])
 
     def _merge(self, new: DynamicCache, new_mask: torch.Tensor) -> None:
         """Append `new`'s rows, left-padding whichever side is shorter so both share one length L."""
@@ -159,7 +187,7 @@ class KVBatch:
                     torch.cat([_lpad(v0, length), _lpad(v1, length)]),
                 )
             )
-        self.cache = DynamicCache(ddp_cache_data=layers)
+        self.cache = _cache(layers)
         self.mask = torch.cat([_lpad_mask(self.mask, length), _lpad_mask(new_mask, length)])
 
 
@@ -224,16 +252,75 @@ class PrefixCache:
         self._tokens = 0
 
 
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values are views of the first L columns of [B, H, capacity, D]
+    buffers. `update` writes the new columns in place and reallocates (with room to spare) only when full, where
+    `DynamicLayer` concatenates: it copies the whole [B, H, L, D] cache of every layer for every decoded token
+    (SmolLM2-135M, 16 rows of 600 tokens: ~0.4 GB a step, more time than the model's weights take to read)."""
+
+    SPARE = 64  # columns of room added on each reallocation (or a quarter of the length, if more)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor) -> GrowingLayer:
+        layer = cls()
+        layer.update(keys, values)
+        return layer
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        keys, values = self._key_buffer, self._value_buffer
+        # Reallocate when full, and whenever the keys were replaced from outside (transformers' crop or
+        # batch_select_indices assign new tensors): they are then no longer a view of the buffer.
+        if keys is None or values is None or length + new > keys.shape[-2] or keys.shape[0] != key_states.shape[0] \
+                or (length and _data_ptr(self.keys) != keys.data_ptr()):
+            capacity = length + new + max(self.SPARE, length // 4)
+            shape = (*key_states.shape[:2], capacity, key_states.shape[-1])
+            keys = key_states.new_empty(shape)
+            values = value_states.new_empty((*shape[:3], value_states.shape[-1]))
+            if length:
+                assert isinstance(self.keys, torch.Tensor) and isinstance(self.values, torch.Tensor)
+                keys[:, :, :length] = self.keys
+                values[:, :, :length] = self.values
+            self._key_buffer, self._value_buffer = keys, values
+        keys[:, :, length:length + new] = key_states
+        values[:, :, length:length + new] = value_states
+        self.keys, self.values = keys[:, :, :length + new], values[:, :, :length + new]
+        return keys[:, :, :length + new], values[:, :, :length + new]
+
+
+def _data_ptr(t: object) -> int:
+    return t.data_ptr() if isinstance(t, torch.Tensor) else -1
+
+
+def _cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache of GrowingLayers holding `layers` ((keys, values) per layer); empty when `layers` is, and
+    then filled by the model's first forward pass, one GrowingLayer per decoder layer."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    cache.layers = [GrowingLayer.holding(k, v) for k, v in layers]
+    return cache
+
+
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The (keys, values) of every layer, each [B, H, L, D]; refuses caches this batch cannot re-pad."""
     out = []
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+        if not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, GrowingLayer):
             raise ValueError(
                 f"cache layer {i} is {type(layer).__name__}; the local engine needs full-attention layers"
             )
-        assert layer.keys is not None and layer.values is not None, f"cache layer {i} is empty"
-        out.append((layer.keys, layer.values))
+        keys, values = layer.keys, layer.values
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor), f"cache layer {i} is empty"
+        out.append((keys, values))
     return out
 
 

@@ -40,6 +40,7 @@ class EngineStats:
     max_batch_size: int = 0  # most rows ever decoded together
     prefix_hits: int = 0  # requests that continued a cached generation
     prefix_reused_tokens: int = 0  # prompt tokens those requests did not prefill again
+    shared_prefix_tokens: int = 0  # prompt tokens not prefilled because rows admitted together share them
 
 
 @dataclass
@@ -136,7 +137,7 @@ class LocalEngine:
         s = self._stats
         return EngineStats(
             s.requests, s.generated_tokens, self._batch.forward_passes, s.prefill_passes, s.max_batch_size,
-            self.prefix_cache.hits, self.prefix_cache.reused_tokens,
+            self.prefix_cache.hits, self.prefix_cache.reused_tokens, self._batch.shared_prefix_tokens,
         )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

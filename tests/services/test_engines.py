@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -400,3 +401,70 @@ def test_a_weight_swap_empties_the_prefix_cache(
         assert engine.stats.prefix_hits == 0
 
     run_engine(engine_model, tokenizer, body)
+
+
+def test_long_generations_through_cache_reallocations_match_a_fresh_pass(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]
+) -> None:
+    """150 tokens per row: each row's cache outgrows its spare room (GrowingLayer.SPARE = 64 columns) twice, while
+    rows join and leave the batch; every log-prob still matches a fresh forward pass."""
+    from sisrl.services.engines.kv_batch import GrowingLayer
+
+    params = SamplingParams(max_new_tokens=150, temperature=1.0, top_p=1.0, stop=(), seed=3, logprobs_k=4)
+
+    async def main() -> list[Generation]:
+        engine = LocalEngine(model, tokenizer=tokenizer, eos_ids=frozenset())  # every row runs to its length
+
+        async def later(i: int, prompt: list[int], n: int) -> Generation:
+            await asyncio.sleep(0.02 * i)
+            return await engine.generate(prompt, replace(params, max_new_tokens=n))
+
+        try:
+            return await asyncio.gather(*[later(i, p, n) for i, (p, n) in
+                                          enumerate(zip(prompts[:3], (150, 90, 150), strict=True))])
+        finally:
+            await engine.close()
+
+    gens = asyncio.run(main())
+    assert [len(g.token_ids) for g in gens] == [150, 90, 150]
+    for prompt, gen in zip(prompts[:3], gens, strict=True):
+        assert_matches_reference(model, prompt, gen, params)
+    assert GrowingLayer.SPARE < 150
+
+
+def test_a_growing_cache_layer_writes_in_place_until_full() -> None:
+    from sisrl.services.engines.kv_batch import GrowingLayer
+
+    keys = torch.randn(2, 3, 5, 4)
+    layer = GrowingLayer.holding(keys, -keys)
+    buffer = layer.keys.data_ptr()
+    for step in range(GrowingLayer.SPARE):
+        new = torch.full((2, 3, 1, 4), float(step))
+        k, v = layer.update(new, -new)
+        assert k.data_ptr() == buffer  # the same buffer: nothing copied
+    k, v = layer.update(torch.ones(2, 3, 1, 4), -torch.ones(2, 3, 1, 4))  # full: one reallocation
+    assert k.data_ptr() != buffer and k.shape == (2, 3, 5 + GrowingLayer.SPARE + 1, 4)
+    torch.testing.assert_close(k[:, :, :5], keys)
+    torch.testing.assert_close(k[:, :, 5 + 10, 0], torch.full((2, 3), 10.0))
+    torch.testing.assert_close(v, -k)
+
+
+def test_prompts_admitted_together_prefill_their_common_instructions_once(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Three questions after the same instructions arrive together: the instructions run once for all three
+    (counted in stats.shared_prefix_tokens), and every log-prob still matches a fresh forward pass."""
+    instructions = list(tokenizer.encode("Answer the question. Search with <search> query </search> when you need "
+                                         "facts, then give the answer inside <answer> and </answer>. Question: "))
+    prompts = [instructions + list(tokenizer.encode(q)) for q in QUESTIONS[:3]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, stop=(), seed=5, logprobs_k=4)
+
+    async def body(engine: LocalEngine) -> tuple[list[Generation], int]:
+        gens = await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        return gens, engine.stats.shared_prefix_tokens
+
+    gens, saved = run_engine(model, tokenizer, body)
+    assert len(instructions) >= 16
+    assert saved == 2 * len(instructions)  # two of the three rows did not prefill the instructions
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert_matches_reference(model, prompt, gen, params)

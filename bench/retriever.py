@@ -90,10 +90,19 @@ def start(name: str, command: list[str], url: str, log: Path, threads: int) -> S
 
 
 def peak_rss_mib(pid: int) -> float:
+    """VmHWM of `pid` plus that of each of its descendants (sisrl's --encode-processes workers): the sum of
+    each process's own peak, an upper bound on what they held at once."""
+    total = float("nan")
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+            total = int(line.split()[1]) / 1024
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                total += peak_rss_mib(int(child))
+            except OSError:  # exited meanwhile
+                pass
+    return total
 
 
 def run_batches(url: str, make_batch: Callable[[], list[str]], requests: int) -> Result:
@@ -233,7 +242,8 @@ def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
         assert isinstance(a, Result) and isinstance(many, Result)
         yield (f"(d) {name}: req/s / (a) q/s = {many.qps / a.qps:.2f} (target >= 0.8); "
                f"p99 / p50 = {many.pct(0.99) / many.pct(0.5):.2f} (target <= 2)")
-    yield f"peak RSS MiB: sisrl {ours['peak_rss_mib']:.0f}, baseline {base['peak_rss_mib']:.0f}"
+    yield (f"peak RSS MiB (VmHWM, server + its worker processes): sisrl {ours['peak_rss_mib']:.0f}, "
+           f"baseline {base['peak_rss_mib']:.0f}")
     for k in (1, 3, 10):
         key = f"eval/gold_recall@{k}"
         yield (f"gold recall@{k}: sisrl {ours['recall'][key]:.4f}, "  # type: ignore[index]
@@ -255,6 +265,9 @@ def main() -> int:
     parser.add_argument("--encode-workers", type=int, default=0,
                         help="sisrl's --encode-workers (default: %(default)s = the server's auto: one per core, "
                              "one intra-op thread each)")
+    parser.add_argument("--encode-processes", type=int, default=0,
+                        help="sisrl's --encode-processes: encode in this many worker processes (default: "
+                             "%(default)s = in the --encode-workers threads)")
     parser.add_argument("--backend", default="auto", help="sisrl's encoder --backend (default: %(default)s)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
@@ -269,7 +282,8 @@ def main() -> int:
     ours = bench_server("sisrl", [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(args.index),
                                   "--port", str(args.port), "--log-level", "warning", "--cache-size", "0",
                                   "--encode-workers",
-                                  str(args.encode_workers), "--backend", args.backend,
+                                  str(args.encode_workers), "--encode-processes", str(args.encode_processes),
+                                  "--backend", args.backend,
                                   # ONNX Runtime has its own pool; OMP_NUM_THREADS only reaches torch
                                   *(["--torch-threads", str(args.threads)] if args.threads else [])],
                         ours_url, pool, args, workdir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -9,11 +10,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from sisrl.common.http import ServiceMiddleware
+from sisrl.common.http import ServiceMiddleware, fastapi_options
 from sisrl.common.openapi import fit_openapi
+from sisrl.retriever.encode_procs import EncoderProcesses
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.routes import health, metrics, retrieve
-from sisrl.retriever.searcher import SearcherOptions, open_searcher
+from sisrl.retriever.searcher import SearcherOptions, encoder_config, open_searcher
 from sisrl.retriever.service import RetrievalService, ServiceOptions
 from sisrl.retriever.settings import Settings
 
@@ -62,19 +64,33 @@ def create_app(settings: Settings) -> FastAPI:
         workers, threads = encode_plan(settings)
         if searcher.encoder.device != "cpu":  # `--device auto` found a GPU: one stream of batches
             workers = settings.encode_workers or 1
-        service = RetrievalService(searcher, service_options(settings, workers), metrics_registry)
+        processes = None
+        if settings.encode_processes and searcher.encoder.device == "cpu":
+            cfg = encoder_config(searcher.manifest, searcher_options(settings))
+            try:
+                processes = await asyncio.to_thread(EncoderProcesses, cfg, settings.encode_processes,
+                                                    threads=settings.torch_threads or 1)
+            except RuntimeError as exc:
+                searcher.close()
+                logger.error("cannot start the retriever: %s", exc)
+                raise
+        service = RetrievalService(searcher, service_options(settings, workers), metrics_registry, processes)
         await service.start()
         app.state.service = service
         app.state.startup_seconds = time.perf_counter() - started
-        logger.info("retriever ready in %.2fs on index %s; %d encoder worker(s) x %s intra-op thread(s)",
-                    app.state.startup_seconds, settings.index, workers, threads or "default")
+        if processes is not None:
+            logger.info("retriever ready in %.2fs on index %s; %d encoder process(es) x %d intra-op thread(s)",
+                        app.state.startup_seconds, settings.index, processes.processes, settings.torch_threads or 1)
+        else:
+            logger.info("retriever ready in %.2fs on index %s; %d encoder worker(s) x %s intra-op thread(s)",
+                        app.state.startup_seconds, settings.index, workers, threads or "default")
         try:
             yield
         finally:
             await service.stop()
             searcher.close()
 
-    app = FastAPI(title="sisrl retriever", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="sisrl retriever", version="0.1.0", lifespan=lifespan, **fastapi_options(),
                   description="E5 + FAISS dense retrieval with Search-R1's /retrieve contract.")
     app.state.settings = settings
     app.state.metrics = metrics_registry

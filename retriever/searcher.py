@@ -47,7 +47,12 @@ class Searcher:
         """`[n queries]` -> n lists of k (passage, score), best first. Rows FAISS could not fill are dropped."""
         if not queries:
             return []
-        vectors = self.encoder.encode_queries(queries)  # [n, dim] float32, unit norm
+        return self.search_vectors(self.encoder.encode_queries(queries), k)  # [n, dim] float32, unit norm
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        """`search` for queries already encoded by this index's encoder: `[n, dim]` unit vectors."""
+        if len(vectors) == 0:
+            return []
         if self.exact is not None and self.rerank > k:
             _, candidates = self.index.search(vectors, self.rerank)  # [n, rerank] approximate
             scores, rows = self.exact.rerank(vectors, candidates, k)  # [n, k] exact inner products

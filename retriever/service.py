@@ -8,7 +8,7 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
 - `pipeline_queries`: a coalesced batch is searched in pieces (shortest queries first) and each request is
   answered as soon as its piece is done, so responses and new requests flow while the next piece encodes.
 - `offload`: encoding and search run in worker threads (`encode_workers`), so the event loop keeps accepting
-  requests.
+  requests; with `encode_processes` the encoding runs in worker processes instead (retriever/encode_procs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
+from sisrl.retriever.encode_procs import EncoderProcesses
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.searcher import Hit, Searcher
 
@@ -40,6 +42,7 @@ class ServiceOptions:
     offload: bool = True
     max_query_chars: int = 4096
     encode_workers: int = 1
+    encode_processes: int = 0  # > 0: the workers that encode are processes (EncoderProcesses); search stays here
 
 
 class LRUCache:
@@ -70,8 +73,10 @@ class _Pending:
 
 
 class RetrievalService:
-    def __init__(self, searcher: Searcher, options: ServiceOptions, metrics: Metrics) -> None:
+    def __init__(self, searcher: Searcher, options: ServiceOptions, metrics: Metrics,
+                 processes: EncoderProcesses | None = None) -> None:
         self.searcher, self.options, self.metrics = searcher, options, metrics
+        self.processes = processes
         self.cache = LRUCache(options.cache_size) if options.cache_size > 0 else None
         # `encode_workers` threads share the one (read-only) model; a batch is split across them. With one
         # intra-op torch thread each, this uses several cores without OpenMP barriers (see Settings).
@@ -89,6 +94,8 @@ class RetrievalService:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        if self.processes is not None:
+            self.processes.close()
 
     async def retrieve(self, queries: list[str], k: int) -> list[list[Hit]]:
         """Hits for each query, in order; the same lists a plain `Searcher.search(queries, k)` gives."""
@@ -124,9 +131,15 @@ class RetrievalService:
 
     async def _search_parallel(self, queries: list[str], k: int) -> list[list[Hit]]:
         """Searcher.search over `encode_workers` contiguous chunks at once (in order); inline when not offloaded."""
-        workers = self.options.encode_workers if self.options.offload else 1
+        if self.processes is not None:
+            workers = self.processes.processes
+        else:
+            workers = self.options.encode_workers if self.options.offload else 1
         size = max(MIN_CHUNK, -(-len(queries) // workers))
         chunks = [queries[start:start + size] for start in range(0, len(queries), size)]
+        if self.processes is not None:
+            vectors = await asyncio.gather(*(self.processes.encode(chunk) for chunk in chunks))
+            return await self._run(functools.partial(self.searcher.search_vectors, np.concatenate(vectors), k))
         parts = await asyncio.gather(*(self._run(functools.partial(self.searcher.search, chunk, k)) for chunk in chunks))
         return [hits for part in parts for hits in part]
 

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     encode_workers: int = Field(0, ge=0, le=64, description="worker threads that encode and search, a batch split "
                                 "across them; 0 = one per core for a CPU encoder (each with one intra-op thread: no "
                                 "OpenMP barriers), 1 on a GPU")
+    encode_processes: int = Field(0, ge=0, le=64, description="encode in this many worker processes (CPU "
+                                  "encoder only), each with its own encoder copy and --torch-threads (0 = 1) "
+                                  "intra-op threads, so encoding never waits for the event loop's GIL; search "
+                                  "stays in the server; 0 = encode in the --encode-workers threads")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")

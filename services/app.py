@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
-from sisrl.common.http import ServiceMiddleware
+from sisrl.common.http import ServiceMiddleware, fastapi_options
 from sisrl.common.openapi import fit_openapi
 from sisrl.services.deps import TokenDep, get_live
 from sisrl.services.metrics import GatewayMetrics
@@ -32,7 +32,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             await close_state(app.state.gateway)
 
-    app = FastAPI(title="sisrl rollout gateway", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="sisrl rollout gateway", version="0.1.0", lifespan=lifespan, **fastapi_options(),
                   description="Multi-turn search-agent rollouts, rewards, a queryable rollout store with the "
                               "trainer's SIS records, and a viewer at /ui.")
     app.add_middleware(ServiceMiddleware, metrics=metrics.http, max_body=settings.max_request_bytes,

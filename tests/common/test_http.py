@@ -103,3 +103,32 @@ def test_state_and_token_dependencies_run_on_the_event_loop() -> None:
 
     assert inspect.iscoroutinefunction(app_state("settings", object))
     assert inspect.iscoroutinefunction(bearer_dependency(lambda request: None))
+
+
+def test_fastapi_native_telemetry_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    # FastAPI releases with native OpenTelemetry ask the OpenTelemetry API on every request whether a provider is
+    # configured; sisrl's apps turn that off (fastapi_options) unless SISRL_FASTAPI_TELEMETRY=1 or OTEL_* is set.
+    import inspect
+    import os
+
+    from sisrl.common.http import TELEMETRY_ENV, fastapi_options
+
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        assert fastapi_options() == {}
+        return
+    from fastapi.telemetry import _asgi
+
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.delenv(TELEMETRY_ENV, raising=False)
+    lookups: list[int] = []
+    real = _asgi.trace.get_tracer_provider
+    monkeypatch.setattr(_asgi.trace, "get_tracer_provider", lambda: lookups.append(1) or real())
+    assert not FastAPI(**fastapi_options())._native_telemetry.enabled()
+    assert lookups == []  # the per-request check costs nothing
+    assert not FastAPI()._native_telemetry.enabled() and lookups  # FastAPI's default looks the provider up
+    monkeypatch.setenv(TELEMETRY_ENV, "1")
+    assert fastapi_options() == {}
+    monkeypatch.delenv(TELEMETRY_ENV)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "retriever")
+    assert fastapi_options() == {}

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sisrl.retriever.encode_procs import EncoderProcesses
 from sisrl.retriever.metrics import Metrics
-from sisrl.retriever.searcher import Searcher, SearcherOptions, open_searcher
+from sisrl.retriever.searcher import Searcher, SearcherOptions, encoder_config, open_searcher
 from sisrl.retriever.service import RetrievalService, ServiceOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,9 +38,9 @@ def searcher(minilm_index: Path) -> Iterator[Searcher]:
 
 
 def _run(searcher: Searcher, options: ServiceOptions, requests: list[tuple[list[str], int]],
-         metrics: Metrics | None = None) -> list[list[list[tuple[str, float]]]]:
+         metrics: Metrics | None = None, processes: EncoderProcesses | None = None) -> list[list[list[tuple[str, float]]]]:
     async def main() -> list[list[list[tuple[str, float]]]]:
-        service = RetrievalService(searcher, options, metrics or Metrics())
+        service = RetrievalService(searcher, options, metrics or Metrics(), processes)
         await service.start()
         try:
             results = await asyncio.gather(*(service.retrieve(q, k) for q, k in requests))
@@ -225,3 +227,29 @@ def test_encode_plan_is_one_single_threaded_worker_per_core_on_a_cpu() -> None:
     assert encode_plan(Settings(index=index, torch_threads=2)) == (cores, 2)
     assert encode_plan(Settings(index=index, device="cuda")) == (1, 0)
     assert encode_plan(Settings(index=index, faiss_gpu=True, encode_workers=2, torch_threads=4)) == (2, 4)
+
+
+def test_encoder_processes_give_the_plain_searchers_results(searcher: Searcher,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two real worker processes, each with its own copy of the index's encoder (spawned, model loaded there);
+    # search stays in this process. Coalesced, pipelined in pieces of 3, deduplicated: the same hits and scores,
+    # and this process's encoder is never asked.
+    want = _expected(searcher)
+    cfg = encoder_config(searcher.manifest, SearcherOptions(encoder="minilm"))
+    processes = EncoderProcesses(cfg, 2, threads=1)  # closed by the service's stop()
+
+    def not_here(texts: list[str]) -> None:
+        raise AssertionError(f"encoded in the server process: {texts[:2]}")
+
+    monkeypatch.setattr(searcher.encoder, "encode_queries", not_here)
+    got = _run(searcher, ServiceOptions(cache_size=0, coalesce_ms=20, pipeline_queries=3, encode_workers=1),
+               REQUESTS, processes=processes)
+    _assert_same(got, want)
+
+
+def test_an_encoder_process_that_cannot_load_its_model_stops_the_start_naming_it(searcher: Searcher,
+                                                                                   tmp_path: Path) -> None:
+    cfg = encoder_config(searcher.manifest, SearcherOptions(encoder="minilm"))
+    broken = replace(cfg, model=str(tmp_path / "no-such-model"))
+    with pytest.raises(RuntimeError, match="failed to load .*no-such-model"):
+        EncoderProcesses(broken, 1, start_timeout_s=120)

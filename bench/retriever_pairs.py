@@ -1,0 +1,81 @@
+"""sisrl's retriever with two option sets, in alternating pairs: (a) then (d) on a fresh server per run.
+
+Each run starts `sisrl-retriever serve --cache-size 0 --log-level warning` with the given options on loopback,
+sends 2 warm-up + 8 requests of 256 unique questions ((a), q/s), then 200 one-query clients for `--seconds` ((d),
+req/s, p50, p99), and stops it; the two option sets alternate `--pairs` times so drifts of the machine hit both.
+The workloads, question pool and clients are bench/retriever.py's.
+
+    .venv/bin/python bench/retriever_pairs.py --index /tmp/bench3k --b "--encode-processes 2"
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from sisrl.common.hardware import cpu_model
+from sisrl.common.procs import launch, wait_healthy
+
+
+def _bench_retriever() -> ModuleType:
+    """bench/retriever.py (workloads, question pool, clients), loaded by path: `retriever` is also sisrl's package."""
+    spec = importlib.util.spec_from_file_location("bench_retriever", Path(__file__).with_name("retriever.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_retriever"] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench_retriever()
+
+
+def one_run(index: Path, options: list[str], seconds: float, port: int) -> dict[str, float]:
+    url = f"http://127.0.0.1:{port}"
+    pool = bench.QueryPool([bench.DATA / "nq" / "dev.jsonl", bench.DATA / "nq" / "train.jsonl"])
+    command = [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--port", str(port),
+               "--cache-size", "0", "--log-level", "warning", *options]
+    service = launch("sisrl", command, url=url, log=index.parent / f".{index.name}-pairs.log")
+    try:
+        wait_healthy(service, timeout_s=600)
+        bench.run_batches(url, lambda: pool.take(256), 2)
+        a = bench.run_batches(url, lambda: pool.take(256), 8)
+        d = bench.run_clients(url, pool, 200, seconds)
+        return {"a": a.qps, "d": d.qps, "ratio": d.qps / a.qps, "p99/p50": d.pct(0.99) / d.pct(0.5),
+                "rss_mib": bench.peak_rss_mib(service.process.pid)}
+    finally:
+        service.stop(timeout_s=60)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--index", type=Path, required=True, help="index directory")
+    p.add_argument("--a", default="", help="serve options of set A (default: none, the defaults)")
+    p.add_argument("--b", default="--encode-processes 2", help="serve options of set B (default: %(default)s)")
+    p.add_argument("--pairs", type=int, default=3, help="alternating pairs (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=20.0, help="duration of (d) (default: %(default)s)")
+    p.add_argument("--port", type=int, default=18670)
+    args = p.parse_args()
+    sets = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
+    runs: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    for _ in range(args.pairs):
+        for name, options in sets.items():
+            runs[name].append(one_run(args.index, options, args.seconds, args.port))
+    print(f"CPU: {cpu_model()}; index {args.index}; {args.pairs} pairs")  # noqa: T201
+    print("| set | options | (a) q/s | (d) req/s | (d)/(a) | p99/p50 | peak RSS MiB |")  # noqa: T201
+    print("|---|---|---|---|---|---|---|")  # noqa: T201
+    for name, options in sets.items():
+        def col(key: str, fmt: str, rs: list[dict[str, float]] = runs[name]) -> str:
+            return " / ".join(format(r[key], fmt) for r in rs) + f" (mean {format(statistics.mean(r[key] for r in rs), fmt)})"
+        print(f"| {name} | `{' '.join(options) or 'defaults'}` | {col('a', '.0f')} | {col('d', '.0f')} | "  # noqa: T201
+              f"{col('ratio', '.2f')} | {col('p99/p50', '.2f')} | {col('rss_mib', '.0f')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,7 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
 - `pipeline_queries`: a coalesced batch is searched in pieces (shortest queries first) and each request is
   answered as soon as its piece is done, so responses and new requests flow while the next piece encodes.
 - `offload`: encoding and search run in worker threads (`encode_workers`), so the event loop keeps accepting
-  requests; with `encode_processes` the encoding runs in worker processes instead (retriever/encode_procs.py).
+  requests; given `EncoderProcesses`, the encoding runs in worker processes instead (retriever/encode_procs.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ class ServiceOptions:
     offload: bool = True
     max_query_chars: int = 4096
     encode_workers: int = 1
-    encode_processes: int = 0  # > 0: the workers that encode are processes (EncoderProcesses); search stays here
 
 
 class LRUCache:

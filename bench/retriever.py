@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ class Result:
     queries: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    chars_per_query: float = 0.0  # mean length of the questions this workload sent (set by bench_server)
 
     @property
     def qps(self) -> float:
@@ -51,19 +53,25 @@ class Result:
 
 
 class QueryPool:
-    """Distinct real questions in a fixed order; `restart()` before each server so both get the same sequence.
+    """Distinct real questions in a fixed shuffled order; `restart()` before each server so both get the same
+    sequence.
 
-    A pass through the pool never repeats a question; past its end it starts over (each server runs with
-    `--cache-size 0`, and a repeat is ~13,000 questions away, never in the same coalesced batch)."""
+    Shuffled (seed 0) so that every stretch of the pool mixes the sources alike: in file order, (a) and (b) drew NQ
+    questions (16.4 e5 tokens on average) and (d), ~6,000 questions later, HotpotQA ones (27.0 tokens), which made
+    (d)'s req/s look ~1.6x worse against (a) than the same work would. A pass never repeats a question; past its
+    end it starts over (each server runs with `--cache-size 0`, and a repeat is ~13,000 questions away, never in
+    the same coalesced batch). `chars` counts the characters handed out, for each workload's mean length."""
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], seed: int = 0) -> None:
         seen: dict[str, None] = {}
         for path in paths:
             for q in load_questions(path):
                 seen.setdefault(q.question, None)
         self._questions = list(seen)
+        random.Random(seed).shuffle(self._questions)
         self._next = 0
         self.wrapped = 0
+        self.taken = self.chars = 0
         self._lock = threading.Lock()
 
     def restart(self) -> None:
@@ -79,6 +87,8 @@ class QueryPool:
                 step = min(n - len(out), len(self._questions) - self._next)
                 out += self._questions[self._next:self._next + step]
                 self._next += step
+            self.taken += len(out)
+            self.chars += sum(map(len, out))
             return out
 
 
@@ -210,12 +220,18 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
     pool.restart()
     try:
         run_batches(url, lambda: pool.take(8), 2)  # warm-up: first forward passes, page-in of the index
-        out: dict[str, object] = {
-            "a_batch": run_batches(url, lambda: pool.take(256), args.requests),
-            "b_rl": run_batches(url, lambda: rl_batch(pool), args.requests),
-            "c_clients": run_clients(url, pool, args.clients, args.seconds),
-            "d_many": run_clients(url, pool, args.many_clients, args.seconds),
+        workloads: dict[str, Callable[[], Result]] = {
+            "a_batch": lambda: run_batches(url, lambda: pool.take(256), args.requests),
+            "b_rl": lambda: run_batches(url, lambda: rl_batch(pool), args.requests),
+            "c_clients": lambda: run_clients(url, pool, args.clients, args.seconds),
+            "d_many": lambda: run_clients(url, pool, args.many_clients, args.seconds),
         }
+        out: dict[str, object] = {}
+        for key, workload in workloads.items():
+            taken, chars = pool.taken, pool.chars
+            result = workload()
+            result.chars_per_query = (pool.chars - chars) / max(1, pool.taken - taken)
+            out[key] = result
         out["pool_passes"] = pool.wrapped + 1
         out["encoder_dtype"] = httpx.get(f"{url}/health", timeout=30).json().get("encoder_dtype", "float32")
         report = evaluate(load_questions(args.questions), http_retrieve(f"{url}/retrieve"))
@@ -227,7 +243,8 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
 
 
 def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
-    yield f"{'workload':<22}{'server':<10}{'q/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'q/s x':>8}{'p99 x':>8}"
+    yield (f"{'workload':<22}{'server':<10}{'q/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'q/s x':>8}{'p99 x':>8}"
+           f"{'chars/q':>9}")
     for key, label in (("a_batch", "(a) 256 unique/req"), ("b_rl", "(b) 64 x 5 copies"),
                        ("c_clients", "(c) 8 clients x 1"), ("d_many", "(d) many clients x 1")):
         mine, theirs = ours[key], base[key]
@@ -236,7 +253,7 @@ def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
             ratio_q = f"{mine.qps / theirs.qps:8.2f}" if name == "sisrl" else f"{'':8}"
             ratio_p = f"{theirs.pct(0.99) / mine.pct(0.99):8.2f}" if name == "sisrl" else f"{'':8}"
             yield (f"{label if name == 'sisrl' else '':<22}{name:<10}{r.qps:9.1f}{r.pct(0.5) * 1000:10.0f}"
-                   f"{r.pct(0.99) * 1000:10.0f}{ratio_q}{ratio_p}")
+                   f"{r.pct(0.99) * 1000:10.0f}{ratio_q}{ratio_p}{r.chars_per_query:9.1f}")
     for name, d in (("sisrl", ours), ("baseline", base)):
         a, many = d["a_batch"], d["d_many"]
         assert isinstance(a, Result) and isinstance(many, Result)
@@ -308,7 +325,8 @@ def main() -> int:
               f"{per_token / 1e6:.1f} MFLOP/token")
     if args.json_out:
         def plain(d: dict[str, object]) -> dict[str, object]:
-            return {k: ({"qps": v.qps, "p50": v.pct(0.5), "p99": v.pct(0.99), "n": v.queries}
+            return {k: ({"qps": v.qps, "p50": v.pct(0.5), "p99": v.pct(0.99), "n": v.queries,
+                         "chars_per_query": v.chars_per_query}
                         if isinstance(v, Result) else v) for k, v in d.items()}
         args.json_out.write_text(json.dumps({"sisrl": plain(ours), "baseline": plain(base)}, indent=2))
     gap = abs(ours["recall"]["eval/gold_recall@3"] - base["recall"]["eval/gold_recall@3"])  # type: ignore[index]

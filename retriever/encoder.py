@@ -24,10 +24,13 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from sisrl.common.hardware import resolve_dtype
+
+if TYPE_CHECKING:
+    from sisrl.retriever.traced import TracedForward
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,10 @@ class EncoderConfig:
                 "CPU, for a build a corpus up to 1 MB; else torch) | torch (sentence-transformers) | onnx (the model "
                 "exported once to ONNX Runtime; same embeddings to float32 rounding) | onnx-int8 (its int8 dynamic "
                 "quantisation: faster, vectors ~0.9-0.97 cosine to fp32)"})
+    trace: bool = field(default=True, metadata={
+        "help": "torch backend on a CPU: run transformer + pooling as one TorchScript graph, checked against "
+                "sentence-transformers at load (eager where it differs); a served encoder then holds the GIL "
+                "once per batch instead of per layer (retriever/traced.py)"})
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -210,10 +217,17 @@ class TorchEncoder(Encoder):
         self.device = model.device.type
         model.max_seq_length = cfg.max_length
         self.model_normalizes: bool = any(type(module).__name__ == "Normalize" for module in model)
+        self.traced: TracedForward | None = None
+        if cfg.trace and self.device == "cpu":
+            from sisrl.retriever.traced import trace_forward
+
+            self.traced = trace_forward(model, dtype, self.max_length, self.query_prefix)
 
     def _embed(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:
         import torch
 
+        if self.traced is not None:
+            return self.traced.embed([prefix + t for t in texts], self.cfg.batch_size, show_progress)
         with torch.inference_mode():
             out = self._model.encode(texts, prompt=prefix or None, batch_size=self.cfg.batch_size,
                                      show_progress_bar=show_progress, convert_to_tensor=True,
@@ -362,5 +376,6 @@ def _load_torch(cfg: EncoderConfig, source: str, threads: int) -> Encoder:
         model = model.to(getattr(torch, DTYPES[dtype]))
     model.eval()
     encoder = TorchEncoder(cfg, model, dtype)
-    logger.info("encoder %s loaded from %s on %s (torch, %s)", encoder.identity, source, device, dtype)
+    logger.info("encoder %s loaded from %s on %s (torch, %s, %s forward)", encoder.identity, source, device, dtype,
+                "traced" if encoder.traced is not None else "eager")
     return encoder

@@ -1,0 +1,146 @@
+"""The torch encoder's forward pass as one TorchScript graph (CPU): transformer + pooling, no Python per layer.
+
+Why: sentence-transformers runs the transformer module by module in Python, so a forward pass takes and drops the
+GIL a few hundred times. In a server whose event loop and two encoder threads share the GIL, every one of those
+hand-offs can wait for another thread: e5-small, bf16, one intra-op thread, 32 queries on an AMD EPYC Zen 4,
+193 ms alone but **1,507 ms** with one pure-Python thread spinning beside it; traced, 184 ms and 214 ms (the traced
+call releases the GIL once for the whole graph). Built once at load, checked against sentence-transformers' own
+`encode` on probe texts (one unpadded row, a padded batch); any mismatch or trace error keeps the eager path.
+
+Scope: a `Transformer` module, a `Pooling` module in `mean` or `cls` mode over the whole text (prompt included),
+and optionally a `Normalize` module (normalisation happens afterwards in `Encoder._encode` anyway). Anything else
+(other pooling, lower-casing, extra modules) keeps the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Probe texts for the load-time check: lengths from 1 to ~40 tokens, so the batch pads.
+_PROBES = ("a", "who wrote the origin of species", "when did the eiffel tower open to the public for the first time "
+           "and how tall was it then compared with the washington monument")
+# Lowest cosine between traced and eager embeddings of the probes, per dtype (bf16 rounds differently per shape).
+_MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999, "float16": 0.999}
+
+
+def _pipeline(model: Any) -> str | None:
+    """The pooling mode when `model` is Transformer + Pooling (+ Normalize) in a form the trace covers, else None."""
+    names = [type(module).__name__ for module in model]
+    if names not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        return None
+    if getattr(model[0], "do_lower_case", False):
+        return None
+    config: dict[str, Any] = model[1].get_config_dict()
+    if config.get("include_prompt", True) is False:
+        return None
+    mode = config.get("pooling_mode")
+    if mode is None:  # sentence-transformers < 5: one boolean per mode
+        modes = [key for key, on in config.items() if key.startswith("pooling_mode_") and on]
+        mode = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}.get(modes[0]) \
+            if len(modes) == 1 else None
+    return mode if mode in ("mean", "cls") else None
+
+
+def _make_module(model: Any, mode: str) -> Any:
+    import torch
+
+    class Pooled(torch.nn.Module):
+        """[batch, time] token ids and mask -> [batch, dim] float32 pooled (not normalised) embeddings."""
+
+        def __init__(self, transformer: torch.nn.Module) -> None:
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.transformer(input_ids=ids, attention_mask=mask).last_hidden_state.float()  # [b, t, d]
+            if mode == "cls":
+                return hidden[:, 0]
+            weights = mask.unsqueeze(-1).to(hidden.dtype)  # [b, t, 1]
+            return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+    return Pooled(model[0].auto_model).eval()
+
+
+class TracedForward:
+    """`embed(texts)` -> [n, dim] float32 pooled embeddings through the traced graph (texts already prefixed)."""
+
+    def __init__(self, graph: Any, tokenizer: Any, max_length: int, dim: int) -> None:
+        self.graph, self.tokenizer, self.max_length, self.dim = graph, tokenizer, max_length, dim
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.right_padding = tokenizer.padding_side != "left"
+
+    def embed(self, texts: list[str], batch_size: int, show_progress: bool = False) -> np.ndarray:
+        """Longest texts first in batches of `batch_size` (each pads to its own longest), rows back in input order.
+
+        One tokenizer call per `embed`, always with the same settings (truncation, no padding; the batches are
+        padded here): a fast tokenizer whose padding settings change while another thread encodes with it raises
+        "Already borrowed", and the server's encoder threads share this one."""
+        import torch
+
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_length,
+                             return_attention_mask=False)["input_ids"]
+        order = np.argsort([-len(row) for row in ids], kind="stable")
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        starts = range(0, len(texts), batch_size)
+        if show_progress:
+            from tqdm import tqdm
+
+            starts = tqdm(starts, desc="encoding", unit="batch")
+        with torch.inference_mode():
+            for start in starts:
+                rows = order[start:start + batch_size]
+                width = len(ids[rows[0]])  # longest first
+                tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [b, t]
+                mask = torch.zeros((len(rows), width), dtype=torch.long)  # [b, t]
+                for j, i in enumerate(rows):
+                    row = ids[i]
+                    span = slice(0, len(row)) if self.right_padding else slice(width - len(row), width)
+                    tokens[j, span] = torch.tensor(row, dtype=torch.long)
+                    mask[j, span] = 1
+                out[rows] = self.graph(tokens, mask).numpy()  # [b, dim] float32
+        return out
+
+
+def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> TracedForward | None:
+    """The traced forward of a CPU `SentenceTransformer`, or None (logged why) where the eager path must stay."""
+    import torch
+
+    mode = _pipeline(model)
+    if mode is None:
+        logger.info("encoder: modules %s are not Transformer + mean/cls Pooling; eager forward",
+                    [type(m).__name__ for m in model])
+        return None
+    tokenizer = model.tokenizer
+    try:
+        module = _make_module(model, mode)
+        example = tokenizer([prefix + t for t in _PROBES[:2]], padding=True, return_tensors="pt")  # padded
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+            graph = torch.jit.freeze(torch.jit.trace(module, (example["input_ids"], example["attention_mask"]),
+                                                     check_trace=False))
+        dim = model.get_embedding_dimension() if hasattr(model, "get_embedding_dimension") else \
+            model.get_sentence_embedding_dimension()
+        traced = TracedForward(graph, tokenizer, max_length, int(dim))
+        texts = [prefix + t for t in _PROBES]
+        for probe in (texts[:1], texts[::-1]):  # one unpadded row; a padded batch in another order
+            mine = traced.embed(probe, batch_size=len(probe))
+            with torch.inference_mode():
+                ref = model.encode(probe, convert_to_numpy=True, normalize_embeddings=True, batch_size=len(probe),
+                                   show_progress_bar=False)
+            mine = mine / np.maximum(np.linalg.norm(mine, axis=1, keepdims=True), 1e-12)
+            cosine = float(np.min(np.sum(mine * ref.astype(np.float32), axis=1)))
+            if cosine < _MIN_COSINE.get(dtype, 0.999):
+                logger.warning("encoder: traced forward differs from sentence-transformers (cosine %.6f); eager "
+                               "forward", cosine)
+                return None
+        traced.embed(texts[:1], batch_size=1)  # leaves the shared tokenizer in embed's settings (see embed)
+    except Exception as exc:  # noqa: BLE001 - any trace failure only costs speed
+        logger.warning("encoder: cannot trace the forward pass (%s: %s); eager forward", type(exc).__name__, exc)
+        return None
+    return traced

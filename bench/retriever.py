@@ -233,7 +233,9 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
             result.chars_per_query = (pool.chars - chars) / max(1, pool.taken - taken)
             out[key] = result
         out["pool_passes"] = pool.wrapped + 1
-        out["encoder_dtype"] = httpx.get(f"{url}/health", timeout=30).json().get("encoder_dtype", "float32")
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        out["encoder_dtype"] = health.get("encoder_dtype", "float32")
+        out["encoder_forward"] = health.get("encoder_forward", "eager")
         report = evaluate(load_questions(args.questions), http_retrieve(f"{url}/retrieve"))
         out["recall"] = report.as_dict()
         out["peak_rss_mib"] = peak_rss_mib(service.process.pid)
@@ -286,6 +288,8 @@ def main() -> int:
                         help="sisrl's --encode-processes: encode in this many worker processes (default: "
                              "%(default)s = in the --encode-workers threads)")
     parser.add_argument("--backend", default="auto", help="sisrl's encoder --backend (default: %(default)s)")
+    parser.add_argument("--no-trace", action="store_true",
+                        help="sisrl's --no-trace: the torch encoder's eager forward (default: traced)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
     args = parser.parse_args()
@@ -300,7 +304,7 @@ def main() -> int:
                                   "--port", str(args.port), "--log-level", "warning", "--cache-size", "0",
                                   "--encode-workers",
                                   str(args.encode_workers), "--encode-processes", str(args.encode_processes),
-                                  "--backend", args.backend,
+                                  "--backend", args.backend, *(["--no-trace"] if args.no_trace else []),
                                   # ONNX Runtime has its own pool; OMP_NUM_THREADS only reaches torch
                                   *(["--torch-threads", str(args.threads)] if args.threads else [])],
                         ours_url, pool, args, workdir)
@@ -320,7 +324,8 @@ def main() -> int:
         # bf16 dot-product instructions (avx512_bf16 VDPBF16PS, AMX) do two multiply-adds per fp32 lane: 2x the peak
         bf16 = d.get("encoder_dtype") == "bfloat16"
         top, what = (2 * peak, "bf16 peak (2 x ") if bf16 else (peak, "fp32 peak (")
-        print(f"encoder FLOP/s on (a), {name} ({d.get('encoder_dtype', 'float32')}): {achieved / 1e9:.1f} GFLOP/s = "
+        print(f"encoder FLOP/s on (a), {name} ({d.get('encoder_dtype', 'float32')}, "
+              f"{d.get('encoder_forward', 'eager')} forward): {achieved / 1e9:.1f} GFLOP/s = "
               f"{achieved / top:.0%} of the {what}{formula}) = {top / 1e9:.0f} GFLOP/s; {tokens:.1f} tokens/query x "
               f"{per_token / 1e6:.1f} MFLOP/token")
     if args.json_out:

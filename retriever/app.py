@@ -37,7 +37,8 @@ def encode_plan(settings: Settings) -> tuple[int, int]:
 def searcher_options(settings: Settings) -> SearcherOptions:
     return SearcherOptions(encoder=settings.encoder, dtype=settings.dtype, device=settings.device,
                            backend=settings.backend, threads=encode_plan(settings)[1],
-                           encode_batch_size=settings.encode_batch_size, faiss_gpu=settings.faiss_gpu,
+                           encode_batch_size=settings.encode_batch_size, trace=settings.trace,
+                           faiss_gpu=settings.faiss_gpu,
                            mmap_index=settings.mmap_index, nprobe=settings.nprobe, ef_search=settings.ef_search,
                            rerank=settings.rerank)
 
@@ -46,6 +47,7 @@ def service_options(settings: Settings, workers: int) -> ServiceOptions:
     return ServiceOptions(dedupe=settings.dedupe, cache_size=settings.cache_size, coalesce_ms=settings.coalesce_ms,
                           max_batch_queries=settings.max_batch_queries,
                           pipeline_queries=settings.pipeline_queries, offload=settings.offload,
+                          overlap=settings.overlap,
                           max_query_chars=settings.max_query_chars, encode_workers=workers)
 
 

@@ -145,6 +145,7 @@ class Encoder:
 
     backend = "none"
     device = "cpu"  # resolved: cpu | cuda | mps (the part before any ':N')
+    forward = "eager"  # traced | eager (torch), onnx
 
     def __init__(self, cfg: EncoderConfig, facts: ModelFacts, dtype: str) -> None:
         self.cfg = cfg
@@ -222,6 +223,7 @@ class TorchEncoder(Encoder):
             from sisrl.retriever.traced import trace_forward
 
             self.traced = trace_forward(model, dtype, self.max_length, self.query_prefix)
+        self.forward = "traced" if self.traced is not None else "eager"
 
     def _embed(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:
         import torch
@@ -248,6 +250,7 @@ class OnnxEncoder(Encoder):
         super().__init__(cfg, ModelFacts(dim=meta.dim, prompts=meta.prompts, pooling=meta.pooling,
                                          position_limit=meta.position_limit), "float32")
         self.backend = backend  # onnx | onnx-int8
+        self.forward = "onnx"
         self.device = cfg.device.split(":")[0] if cfg.device.startswith("cuda") else "cpu"
         self._model = model
 
@@ -377,5 +380,5 @@ def _load_torch(cfg: EncoderConfig, source: str, threads: int) -> Encoder:
     model.eval()
     encoder = TorchEncoder(cfg, model, dtype)
     logger.info("encoder %s loaded from %s on %s (torch, %s, %s forward)", encoder.identity, source, device, dtype,
-                "traced" if encoder.traced is not None else "eager")
+                encoder.forward)
     return encoder

@@ -65,5 +65,7 @@ class Health(BaseModel):
     startup_seconds: float
     encoder_dtype: str = Field(description="dtype the query encoder runs in (`auto` resolved for this machine)")
     encoder_backend: str = Field(description="runtime of the query encoder: torch | onnx (`auto` resolved)")
+    encoder_forward: str = Field("eager", description="how the torch encoder runs its forward: traced (one "
+                                 "TorchScript graph, `--trace`) | eager (sentence-transformers); onnx for ONNX Runtime")
     faiss_version: str
     faiss_simd: str = Field(description="SIMD level of the loaded faiss build (e.g. AVX2, AVX512, NONE)")

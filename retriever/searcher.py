@@ -28,6 +28,7 @@ class SearcherOptions:
     backend: str = "auto"
     threads: int = 0  # intra-op threads of the encoder; 0 = one per core
     encode_batch_size: int = 64
+    trace: bool = True  # torch on a CPU: the traced forward (retriever/traced.py)
     faiss_gpu: bool = False
     mmap_index: bool = False
     nprobe: int = 32
@@ -72,7 +73,8 @@ def encoder_config(manifest: Manifest, options: SearcherOptions) -> EncoderConfi
     spec = manifest.encoder
     return EncoderConfig(model=options.encoder or spec.model, query_prefix=spec.query_prefix,
                          passage_prefix=spec.passage_prefix, max_length=spec.max_length, dtype=options.dtype,
-                         device=options.device, batch_size=options.encode_batch_size, backend=options.backend)
+                         device=options.device, batch_size=options.encode_batch_size, backend=options.backend,
+                         trace=options.trace)
 
 
 def check_encoder(manifest: Manifest, encoder: Encoder, directory: Path) -> None:

@@ -9,6 +9,8 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
   answered as soon as its piece is done, so responses and new requests flow while the next piece encodes.
 - `offload`: encoding and search run in worker threads (`encode_workers`), so the event loop keeps accepting
   requests; given `EncoderProcesses`, the encoding runs in worker processes instead (retriever/encode_procs.py).
+- `overlap`: the next coalesced batch is collected as soon as a worker has nothing queued, not when the whole
+  previous batch is done, so no worker idles while the last chunk of a batch finishes on another.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -42,6 +44,7 @@ class ServiceOptions:
     offload: bool = True
     max_query_chars: int = 4096
     encode_workers: int = 1
+    overlap: bool = True
 
 
 class LRUCache:
@@ -82,6 +85,13 @@ class RetrievalService:
         self._executor = ThreadPoolExecutor(max_workers=options.encode_workers, thread_name_prefix="retriever-encode")
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Task[None]] = set()  # coalesced batches being served (overlap)
+        # Encoder chunks submitted and not yet finished; `_free` is set while fewer than the workers.
+        self._busy = 0
+        self._workers = processes.processes if processes is not None else \
+            (options.encode_workers if options.offload else 1)
+        self._free = asyncio.Event()
+        self._free.set()
 
     async def start(self) -> None:
         if self.options.coalesce_ms > 0:
@@ -92,6 +102,9 @@ class RetrievalService:
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        for task in list(self._batches):
+            task.cancel()
+        await asyncio.gather(*self._batches, return_exceptions=True)
         self._executor.shutdown(wait=True)
         if self.processes is not None:
             self.processes.close()
@@ -130,17 +143,26 @@ class RetrievalService:
 
     async def _search_parallel(self, queries: list[str], k: int) -> list[list[Hit]]:
         """Searcher.search over `encode_workers` contiguous chunks at once (in order); inline when not offloaded."""
-        if self.processes is not None:
-            workers = self.processes.processes
-        else:
-            workers = self.options.encode_workers if self.options.offload else 1
-        size = max(MIN_CHUNK, -(-len(queries) // workers))
+        size = max(MIN_CHUNK, -(-len(queries) // self._workers))
         chunks = [queries[start:start + size] for start in range(0, len(queries), size)]
+        self._busy += len(chunks)  # counted before the first await, so a caller that yields once sees them
+        if self._busy >= self._workers:
+            self._free.clear()
         if self.processes is not None:
-            vectors = await asyncio.gather(*(self.processes.encode(chunk) for chunk in chunks))
+            vectors = await asyncio.gather(*(self._counted(self.processes.encode(chunk)) for chunk in chunks))
             return await self._run(functools.partial(self.searcher.search_vectors, np.concatenate(vectors), k))
-        parts = await asyncio.gather(*(self._run(functools.partial(self.searcher.search, chunk, k)) for chunk in chunks))
+        parts = await asyncio.gather(*(self._counted(self._run(functools.partial(self.searcher.search, chunk, k)))
+                                       for chunk in chunks))
         return [hits for part in parts for hits in part]
+
+    async def _counted(self, work: Awaitable[T]) -> T:
+        """Await one chunk counted in `_busy`; when it ends (or fails) a worker may be free."""
+        try:
+            return await work
+        finally:
+            self._busy -= 1
+            if self._busy < self._workers:
+                self._free.set()
 
     async def _run(self, work: Callable[[], T]) -> T:
         if not self.options.offload:
@@ -148,15 +170,29 @@ class RetrievalService:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     async def _coalesce_loop(self) -> None:
+        """Collect a batch, serve it; with `overlap`, collect the next one once a worker has nothing queued
+        (the batches' chunks then queue in order in the executor), else once the batch is done."""
         assert self._queue is not None
         while True:
+            if self.options.overlap:
+                await self._free.wait()
             batch = await self._collect(self._queue)
-            try:
-                await self._serve_batch(batch)
-            except Exception as exc:  # hand the error to every waiting request; keep the loop alive
-                for pending in batch:
-                    if not pending.future.done():
-                        pending.future.set_exception(exc)
+            if not self.options.overlap:
+                await self._serve_batch_safely(batch)
+                continue
+            task = asyncio.create_task(self._serve_batch_safely(batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+            await asyncio.sleep(0)  # the batch's pieces start and count their chunks in `_busy`
+            await asyncio.sleep(0)
+
+    async def _serve_batch_safely(self, batch: list[_Pending]) -> None:
+        try:
+            await self._serve_batch(batch)
+        except Exception as exc:  # hand the error to every waiting request; keep the loop alive
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(exc)
 
     async def _collect(self, queue: asyncio.Queue[_Pending]) -> list[_Pending]:
         """The first waiting request plus whatever arrives within `coalesce_ms`, up to max_batch_queries.

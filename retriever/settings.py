@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     backend: str = Field("auto", description="encoder runtime: auto (onnx where onnxruntime is installed, the "
                          "dtype float32 and the device a CPU; else torch) | torch | onnx | onnx-int8 (int8 dynamic quantisation)")
     encode_batch_size: int = Field(64, ge=1, description="queries per encoder forward pass")
+    trace: bool = Field(True, description="torch encoder on a CPU: run its forward as one TorchScript graph "
+                        "(checked against sentence-transformers at load, eager where it differs), so it holds the "
+                        "GIL once per batch, not per layer")
     default_topk: int = Field(3, ge=1, le=MAX_TOPK, description="topk when a request gives none (Search-R1: 3)")
     max_queries: int = Field(4096, ge=1, description="most queries in one request (more is a 422)")
     max_query_chars: int = Field(4096, ge=1, description="queries are cut to this many characters before encoding")
@@ -39,6 +42,8 @@ class Settings(BaseSettings):
     pipeline_queries: int = Field(64, ge=0, description="search a coalesced batch in pieces of this many queries "
                                   "(shortest first) and answer each request as soon as its piece is done, so "
                                   "responses go out while the next piece encodes; 0 = answer the whole batch at once")
+    overlap: bool = Field(True, description="collect the next coalesced batch as soon as an encoder worker has "
+                          "nothing queued, not when the whole previous batch is done")
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
     torch_threads: int = Field(0, ge=0, description="intra-op threads of each encoder worker (torch or ONNX "
                                "Runtime); 0 = 1 when there are several workers, else the runtime's default (one per core)")

@@ -14,7 +14,7 @@ async def health(request: Request) -> Health:
     return Health(status="ok", passages=searcher.manifest.count, dim=searcher.manifest.dim,
                   encoder=searcher.manifest.encoder.model, index_type=searcher.manifest.index_type,
                   startup_seconds=round(request.app.state.startup_seconds, 3), encoder_dtype=searcher.encoder.dtype,
-                  encoder_backend=searcher.encoder.backend,
+                  encoder_backend=searcher.encoder.backend, encoder_forward=searcher.encoder.forward,
                   **faiss_build())
 
 

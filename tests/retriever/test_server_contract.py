@@ -166,4 +166,5 @@ def test_health_names_the_faiss_build_and_the_encoder_dtype(minilm_server: Serve
     assert health["faiss_simd"] == faiss.SIMDConfig.get_level_name()  # this process loads the same wheel
     assert health["faiss_simd"] != "NONE" or "avx2" not in open("/proc/cpuinfo").read()
     assert health["encoder_dtype"] == "float32"  # the server's --dtype float32 (tests/retriever/conftest.py)
+    assert health["encoder_forward"] == ("onnx" if health["encoder_backend"] == "onnx" else "traced")
     assert load_manifest(minilm_index).build_dtype == choose_dtype("auto", "cpu")  # the build's --dtype auto

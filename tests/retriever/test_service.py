@@ -253,3 +253,44 @@ def test_an_encoder_process_that_cannot_load_its_model_stops_the_start_naming_it
     broken = replace(cfg, model=str(tmp_path / "no-such-model"))
     with pytest.raises(RuntimeError, match="failed to load .*no-such-model"):
         EncoderProcesses(broken, 1, start_timeout_s=120)
+
+
+class _GatedSearcher:
+    """The real searcher, except that a call containing "slow" waits for `release` (set by the test)."""
+
+    def __init__(self, searcher: Searcher) -> None:
+        self.searcher, self.release = searcher, threading.Event()
+        self.manifest, self.encoder = searcher.manifest, searcher.encoder
+
+    def search(self, queries: list[str], k: int) -> list[list[tuple[object, float]]]:
+        if "slow" in queries:
+            assert self.release.wait(timeout=30), "the test never released the slow call"
+        return self.searcher.search(queries, k)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_serves_the_next_batch_while_a_worker_still_runs_the_last(searcher: Searcher, overlap: bool) -> None:
+    """Two workers; batch 1 is one chunk ("slow", held). With overlap the free worker takes batch 2 ("fast") at
+    once; without it, batch 2 is collected only after batch 1 is done."""
+    gated = _GatedSearcher(searcher)
+
+    async def main() -> tuple[bool, list[list[tuple[object, float]]]]:
+        service = RetrievalService(gated, ServiceOptions(cache_size=0, coalesce_ms=1, encode_workers=2,  # type: ignore[arg-type]
+                                                         overlap=overlap), Metrics())
+        await service.start()
+        try:
+            slow = asyncio.ensure_future(service.retrieve(["slow"], 3))
+            await asyncio.sleep(0.2)  # batch 1 collected and running
+            fast = asyncio.ensure_future(service.retrieve(["fast"], 3))
+            done, _ = await asyncio.wait([fast], timeout=3)
+            fast_before_slow = fast in done and not slow.done()
+            gated.release.set()
+            await asyncio.gather(slow, fast)
+            return fast_before_slow, fast.result()[0]
+        finally:
+            gated.release.set()
+            await service.stop()
+
+    fast_before_slow, hits = asyncio.run(main())
+    assert fast_before_slow is overlap
+    assert [p.id for p, _ in hits] == [p.id for p, _ in searcher.search(["fast"], 3)[0]]

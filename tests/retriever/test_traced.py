@@ -22,6 +22,7 @@ def _torch(**kwargs: object) -> TorchEncoder:
 def test_traced_forward_gives_the_eager_vectors_in_input_order() -> None:
     traced, eager = _torch(batch_size=3, max_length=64), _torch(batch_size=3, max_length=64, trace=False)
     assert traced.traced is not None and eager.traced is None
+    assert (traced.forward, eager.forward) == ("traced", "eager")  # what /health reports as encoder_forward
     for texts in (TEXTS, TEXTS[:1], TEXTS[::-1]):  # batches of 3 that pad; one row; another order
         mine, ref = traced.encode_queries(texts), eager.encode_queries(texts)
         assert mine.shape == ref.shape == (len(texts), 384) and mine.dtype == np.float32
@@ -66,3 +67,11 @@ def test_a_pipeline_the_trace_does_not_cover_stays_eager(tmp_path: Path, monkeyp
     vectors = encoder.encode_queries(TEXTS[:3])
     ref = SentenceTransformer(str(tmp_path / "max"), device="cpu").encode(TEXTS[:3], normalize_embeddings=True)
     np.testing.assert_allclose(vectors, ref, atol=1e-5)
+
+
+def test_serve_no_trace_reaches_the_encoder_config(tmp_path: Path) -> None:
+    from sisrl.retriever.app import searcher_options
+    from sisrl.retriever.settings import Settings
+
+    assert searcher_options(Settings(index=tmp_path)).trace is True
+    assert searcher_options(Settings(index=tmp_path, trace=False)).trace is False

@@ -183,7 +183,9 @@ class RetrievalService:
             task = asyncio.create_task(self._serve_batch_safely(batch))
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
-            await asyncio.sleep(0)  # the batch's pieces start and count their chunks in `_busy`
+            # Two yields: the batch task creates its piece tasks, then each piece counts its chunks in `_busy`
+            # (before its first await), so the `_free` check above sees this batch's work.
+            await asyncio.sleep(0)
             await asyncio.sleep(0)
 
     async def _serve_batch_safely(self, batch: list[_Pending]) -> None:

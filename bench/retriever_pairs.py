@@ -2,7 +2,8 @@
 
 Each run starts `sisrl-retriever serve --cache-size 0 --log-level warning` with the given options on loopback,
 sends 2 warm-up + 8 requests of 256 unique questions ((a), q/s), then 200 one-query clients for `--seconds` ((d),
-req/s, p50, p99), and stops it; the two option sets alternate `--pairs` times so drifts of the machine hit both.
+req/s, p99/p50, and long/short: the median latency of the longest quarter of queries over that of the shortest
+quarter), and stops it; the two option sets alternate `--pairs` times so drifts of the machine hit both.
 The workloads, question pool and clients are bench/retriever.py's.
 
     .venv/bin/python bench/retriever_pairs.py --index /tmp/bench3k --b "--encode-processes 2"
@@ -37,7 +38,7 @@ bench = _bench_retriever()
 
 def one_run(index: Path, options: list[str], seconds: float, port: int) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}"
-    pool = bench.QueryPool([bench.DATA / "nq" / "dev.jsonl", bench.DATA / "nq" / "train.jsonl"])
+    pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
     command = [sys.executable, "-m", "sisrl.retriever.cli", "serve", "--index", str(index), "--port", str(port),
                "--cache-size", "0", "--log-level", "warning", *options]
     service = launch("sisrl", command, url=url, log=index.parent / f".{index.name}-pairs.log")
@@ -46,8 +47,9 @@ def one_run(index: Path, options: list[str], seconds: float, port: int) -> dict[
         bench.run_batches(url, lambda: pool.take(256), 2)
         a = bench.run_batches(url, lambda: pool.take(256), 8)
         d = bench.run_clients(url, pool, 200, seconds)
+        quartiles = d.p50_by_length()
         return {"a": a.qps, "d": d.qps, "ratio": d.qps / a.qps, "p99/p50": d.pct(0.99) / d.pct(0.5),
-                "rss_mib": bench.peak_rss_mib(service.process.pid)}
+                "long/short": quartiles[-1] / quartiles[0], "rss_mib": bench.peak_rss_mib(service.process.pid)}
     finally:
         service.stop(timeout_s=60)
 
@@ -67,13 +69,13 @@ def main() -> int:
         for name, options in sets.items():
             runs[name].append(one_run(args.index, options, args.seconds, args.port))
     print(f"CPU: {cpu_model()}; index {args.index}; {args.pairs} pairs")  # noqa: T201
-    print("| set | options | (a) q/s | (d) req/s | (d)/(a) | p99/p50 | peak RSS MiB |")  # noqa: T201
-    print("|---|---|---|---|---|---|---|")  # noqa: T201
+    print("| set | options | (a) q/s | (d) req/s | (d)/(a) | p99/p50 | long/short p50 | peak RSS MiB |")  # noqa: T201
+    print("|---|---|---|---|---|---|---|---|")  # noqa: T201
     for name, options in sets.items():
         def col(key: str, fmt: str, rs: list[dict[str, float]] = runs[name]) -> str:
             return " / ".join(format(r[key], fmt) for r in rs) + f" (mean {format(statistics.mean(r[key] for r in rs), fmt)})"
         print(f"| {name} | `{' '.join(options) or 'defaults'}` | {col('a', '.0f')} | {col('d', '.0f')} | "  # noqa: T201
-              f"{col('ratio', '.2f')} | {col('p99/p50', '.2f')} | {col('rss_mib', '.0f')} |")
+              f"{col('ratio', '.2f')} | {col('p99/p50', '.2f')} | {col('long/short', '.2f')} | {col('rss_mib', '.0f')} |")
     return 0
 
 

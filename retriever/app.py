@@ -47,7 +47,7 @@ def service_options(settings: Settings, workers: int) -> ServiceOptions:
     return ServiceOptions(dedupe=settings.dedupe, cache_size=settings.cache_size, coalesce_ms=settings.coalesce_ms,
                           max_batch_queries=settings.max_batch_queries,
                           pipeline_queries=settings.pipeline_queries, offload=settings.offload,
-                          overlap=settings.overlap,
+                          overlap=settings.overlap, fifo_window=settings.fifo_window,
                           max_query_chars=settings.max_query_chars, encode_workers=workers)
 
 

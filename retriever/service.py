@@ -5,8 +5,10 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
 - `cache_size`: an LRU cache of (query, topk) -> hits; later rollouts ask the same first queries again.
 - `coalesce_ms`: requests that arrive within a few ms are merged into one encoder batch, so many one-query
   clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it.
-- `pipeline_queries`: a coalesced batch is searched in pieces (shortest queries first) and each request is
-  answered as soon as its piece is done, so responses and new requests flow while the next piece encodes.
+- `pipeline_queries`: a coalesced batch is searched in pieces (length-sorted) and each request is answered as
+  soon as its piece is done, so responses and new requests flow while the next piece encodes.
+- `fifo_window`: the pieces follow the requests' arrival order, length-sorted within windows of a few pieces'
+  worth of requests, so under many one-query clients a long query does not go last in every batch.
 - `offload`: encoding and search run in worker threads (`encode_workers`), so the event loop keeps accepting
   requests; given `EncoderProcesses`, the encoding runs in worker processes instead (retriever/encode_procs.py).
 - `overlap`: the next coalesced batch is collected as soon as a worker has nothing queued, not when the whole
@@ -45,6 +47,7 @@ class ServiceOptions:
     max_query_chars: int = 4096
     encode_workers: int = 1
     overlap: bool = True
+    fifo_window: int = 2
 
 
 class LRUCache:
@@ -216,12 +219,34 @@ class RetrievalService:
             await asyncio.sleep(remaining)
         return batch
 
+    def _piece_key(self, unique: list[str], rows: list[list[int]], size: int) -> Callable[[int], tuple[int, int]]:
+        """Sort key of the batch's distinct queries before they are cut into pieces of `size`.
+
+        `fifo_window` W > 0: requests in arrival order, in windows of W x `size` queries (a request falls in the
+        window where its first new query does), shortest first inside a window; so one large request is
+        length-sorted as a whole, and under many one-query clients a request waits mostly for the requests that
+        came before it. W = 0: the whole batch shortest first: least padding, but the longest queries of every
+        batch go last, miss the next batch and wait about twice as long. W = 1 is fairest, W = 2 (the default)
+        keeps most of W = 0's throughput (measured: docs/retriever.md, "FIFO across requests")."""
+        if self.options.fifo_window <= 0:
+            return lambda i: (0, len(unique[i]))
+        window = self.options.fifo_window * size
+        first = [-1] * len(unique)  # the first request that asks query i (rows are in arrival order)
+        for j, r in enumerate(rows):
+            for i in r:
+                if first[i] < 0:
+                    first[i] = j
+        start: dict[int, int] = {}  # request -> index of its first new query
+        for i, j in enumerate(first):
+            start.setdefault(j, i)
+        return lambda i: (start[first[i]] // window, len(unique[i]))
+
     async def _serve_batch(self, batch: list[_Pending]) -> None:
         """One encoder batch for all requests, searched at the largest k; each request's lists are cut to its k
         (for exact search the top-k is a prefix of the top-K; HNSW/IVF may differ in rare ties).
 
-        With `pipeline_queries`, the batch's distinct queries go to the worker in pieces of that many, shortest
-        first (a piece pads to its own longest query), all submitted at once so the worker never waits for the
+        With `pipeline_queries`, the batch's distinct queries go to the worker in pieces of that many, in the
+        order of `_piece_key` (length-sorted, so a piece pads to its own longest query; FIFO across requests), all submitted at once so the worker never waits for the
         event loop; a request is answered when its last query's piece is done. Without it, when the whole batch
         is: then all its clients reply at once and the encoder idles while the loop reads their next requests,
         so batches come in synchronised waves (measured under 200 one-query clients)."""
@@ -242,7 +267,7 @@ class RetrievalService:
         if size <= 0 or len(unique) <= size:
             pieces = [list(range(len(unique)))]
         else:
-            order = sorted(range(len(unique)), key=lambda i: len(unique[i]))
+            order = sorted(range(len(unique)), key=self._piece_key(unique, rows, size))
             pieces = [order[start:start + size] for start in range(0, len(order), size)]
         waiting = [len(set(r)) for r in rows]  # distinct rows each request still waits for
         requests_of: dict[int, list[int]] = {}

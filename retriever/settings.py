@@ -40,10 +40,14 @@ class Settings(BaseSettings):
                                "encoder batch; 0 turns coalescing off")
     max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
     pipeline_queries: int = Field(64, ge=0, description="search a coalesced batch in pieces of this many queries "
-                                  "(shortest first) and answer each request as soon as its piece is done, so "
+                                  "(length-sorted) and answer each request as soon as its piece is done, so "
                                   "responses go out while the next piece encodes; 0 = answer the whole batch at once")
     overlap: bool = Field(True, description="collect the next coalesced batch as soon as an encoder worker has "
                           "nothing queued, not when the whole previous batch is done")
+    fifo_window: int = Field(2, ge=0, le=64, description="pieces of a coalesced batch follow the requests' "
+                             "arrival order in windows of this many pieces' worth of requests, length-sorted "
+                             "inside a window (1 = fairest; 0 = the whole batch sorted by length: least padding, "
+                             "but the longest queries of every batch wait longest)")
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
     torch_threads: int = Field(0, ge=0, description="intra-op threads of each encoder worker (torch or ONNX "
                                "Runtime); 0 = 1 when there are several workers, else the runtime's default (one per core)")

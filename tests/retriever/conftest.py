@@ -79,9 +79,12 @@ def topics_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def minilm_index(tmp_path_factory: pytest.TempPathFactory, topics_corpus: Path) -> Path:
-    """The 40-topic corpus indexed with MiniLM (exact IndexFlatIP), built once per session."""
+    """The 40-topic corpus indexed with MiniLM (exact IndexFlatIP), built once per session, in float32 whatever
+    `--dtype auto` would pick: tests compare its scores to 1e-5 with those of other builds and batch make-ups,
+    and in bf16 oneDNN's AMX kernels round differently by batch shape (seen: 7e-4 on an Intel Xeon, amx_bf16)."""
     out = tmp_path_factory.mktemp("minilm_index")
-    build_index(BuildConfig(corpus=topics_corpus, out=out, shard_size=16), load_encoder(EncoderConfig(model="minilm")))
+    build_index(BuildConfig(corpus=topics_corpus, out=out, shard_size=16),
+                load_encoder(EncoderConfig(model="minilm", dtype="float32")))
     return out
 
 

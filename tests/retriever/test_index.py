@@ -26,11 +26,12 @@ QUERIES = ["when was the eiffel tower built", "largest coral reef", "who painted
 
 @pytest.fixture(scope="module")
 def minilm() -> Encoder:
-    return load_encoder(EncoderConfig(model="minilm"))
+    # float32, like the minilm_index fixture: builds of other shard sizes are compared with it to 1e-5
+    return load_encoder(EncoderConfig(model="minilm", dtype="float32"))
 
 
 def _search(index_dir: Path, queries: list[str] = QUERIES, k: int = 5, rerank: int = 0) -> list[list[tuple[str, float]]]:
-    searcher = open_searcher(index_dir, SearcherOptions(encoder="minilm", rerank=rerank))
+    searcher = open_searcher(index_dir, SearcherOptions(encoder="minilm", dtype="float32", rerank=rerank))
     try:
         return [[(p.id, s) for p, s in hits] for hits in searcher.search(queries, k)]
     finally:

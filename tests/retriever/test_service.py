@@ -26,13 +26,16 @@ REQUESTS = [
     (["chocolate", "chocolate", "chocolate", "rice"], 2),
     (["volcano", "violin", "sushi", "telescope", "marathon", "internet", "rainbow", "coffee", "tsunami"], 4),
 ]
+# float32 whatever `--dtype auto` would pick: the tests compare scores across batch make-ups to 1e-5, and in
+# bf16 oneDNN's AMX kernels round differently by batch shape (seen: 1.3e-3 on an Intel Xeon with amx_bf16).
+FP32 = SearcherOptions(encoder="minilm", dtype="float32")
 ALL_OFF = ServiceOptions(dedupe=False, cache_size=0, coalesce_ms=0, offload=False)
 ALL_ON = ServiceOptions(dedupe=True, cache_size=128, coalesce_ms=20, offload=True, encode_workers=2)
 
 
 @pytest.fixture(scope="module")
 def searcher(minilm_index: Path) -> Iterator[Searcher]:
-    searcher = open_searcher(minilm_index, SearcherOptions(encoder="minilm"))
+    searcher = open_searcher(minilm_index, FP32)
     yield searcher
     searcher.close()
 
@@ -213,6 +216,38 @@ def test_a_pipelined_batch_answers_each_request_when_its_piece_is_done(searcher:
         assert calls_when_answered == {"short": 1, "long": 1}
 
 
+@pytest.mark.parametrize("window", [1, 2, 0])
+def test_fifo_pieces_answer_earlier_requests_first_whatever_their_length(searcher: Searcher, window: int) -> None:
+    """Eight one-query requests in one coalesced batch, pieces of 2: the four that arrive first have long
+    queries, the four after them short ones. In FIFO windows of 1 or 2 pieces the long ones are answered first
+    (each window length-sorted); with `fifo_window=0` the whole batch is shortest first, so the late short ones
+    go first."""
+    long_queries = [f"a much longer question number {i} about the history of volcanoes and their eruptions"
+                    for i in range(4)]
+    short_queries = ["rice", "salt", "jazz", "tea"]
+    answered: list[str] = []
+
+    async def ask(service: RetrievalService, query: str) -> list[list[tuple[object, float]]]:
+        hits = await service.retrieve([query], 3)
+        answered.append(query)
+        return hits  # type: ignore[return-value]
+
+    async def main() -> list[list[list[tuple[object, float]]]]:
+        service = RetrievalService(searcher, ServiceOptions(cache_size=0, coalesce_ms=50, pipeline_queries=2,
+                                                            encode_workers=1, fifo_window=window), Metrics())
+        await service.start()
+        try:
+            return await asyncio.gather(*(ask(service, q) for q in long_queries + short_queries))
+        finally:
+            await service.stop()
+
+    results = asyncio.run(main())
+    first_four = set(answered[:4])
+    assert first_four == (set(long_queries) if window else set(short_queries)), answered
+    for query, hits in zip(long_queries + short_queries, results, strict=True):  # same hits either way
+        assert [p.id for p, _ in hits[0]] == [p.id for p, _ in searcher.search([query], 3)[0]]
+
+
 def test_encode_plan_is_one_single_threaded_worker_per_core_on_a_cpu() -> None:
     import os
 
@@ -235,7 +270,7 @@ def test_encoder_processes_give_the_plain_searchers_results(searcher: Searcher,
     # search stays in this process. Coalesced, pipelined in pieces of 3, deduplicated: the same hits and scores,
     # and this process's encoder is never asked.
     want = _expected(searcher)
-    cfg = encoder_config(searcher.manifest, SearcherOptions(encoder="minilm"))
+    cfg = encoder_config(searcher.manifest, FP32)
     processes = EncoderProcesses(cfg, 2, threads=1)  # closed by the service's stop()
 
     def not_here(texts: list[str]) -> None:
@@ -249,7 +284,7 @@ def test_encoder_processes_give_the_plain_searchers_results(searcher: Searcher,
 
 def test_an_encoder_process_that_cannot_load_its_model_stops_the_start_naming_it(searcher: Searcher,
                                                                                    tmp_path: Path) -> None:
-    cfg = encoder_config(searcher.manifest, SearcherOptions(encoder="minilm"))
+    cfg = encoder_config(searcher.manifest, FP32)
     broken = replace(cfg, model=str(tmp_path / "no-such-model"))
     with pytest.raises(RuntimeError, match="failed to load .*no-such-model"):
         EncoderProcesses(broken, 1, start_timeout_s=120)

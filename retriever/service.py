@@ -246,8 +246,8 @@ class RetrievalService:
         (for exact search the top-k is a prefix of the top-K; HNSW/IVF may differ in rare ties).
 
         With `pipeline_queries`, the batch's distinct queries go to the worker in pieces of that many, in the
-        order of `_piece_key` (length-sorted, so a piece pads to its own longest query; FIFO across requests), all submitted at once so the worker never waits for the
-        event loop; a request is answered when its last query's piece is done. Without it, when the whole batch
+        order of `_piece_key` (length-sorted, so a piece pads to its own longest query; FIFO across requests),
+        all submitted at once so the worker never waits for the event loop; a request is answered when its last query's piece is done. Without it, when the whole batch
         is: then all its clients reply at once and the encoder idles while the loop reads their next requests,
         so batches come in synchronised waves (measured under 200 one-query clients)."""
         flat = [q for pending in batch for q in pending.queries]

@@ -140,13 +140,22 @@ def test_an_update_on_compact_logits_moves_the_weights_as_the_full_layout_does(
     after = []
     for compact in (False, True):
         u = replace(_updater(cfg), compact_logits=compact)
+        grads: list[list[torch.Tensor]] = []  # what each optimizer step is handed, clipping included
+        u.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, seen=grads, model=u.model: seen.append(
+                [p.grad.detach().clone() for p in model.parameters()]))
         metrics = train_on_batch(u, b, torch.Generator().manual_seed(0))
-        after.append(([p.detach().clone() for p in u.model.parameters()], metrics))
-    (w_full, m_full), (w_compact, m_compact) = after
+        after.append((grads, metrics))
+    (g_full, m_full), (g_compact, m_compact) = after
     for key in ("actor/loss", "actor/entropy", "actor/grad_norm"):
         assert m_compact[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-6), key
-    for x, y in zip(w_full, w_compact, strict=True):
-        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+    # Gradients, not the weights after AdamW: its first step moves a weight by ~lr * sign(grad), so an element whose
+    # gradient is rounding noise (an embedding row no token used) moves either way by kernel choice (seen with torch
+    # capped at AVX2: 0.1 % of the embedding off by up to 7.5e-6). The optimizer is the same code on both layouts.
+    assert len(g_compact) == len(g_full) >= 1
+    for step_full, step_compact in zip(g_full, g_compact, strict=True):
+        for x, y in zip(step_full, step_compact, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5 * float(x.abs().max()) + 1e-12)
 
 
 def test_trainable_layers_freeze_everything_below_the_top_layers(setup: tuple[TrainConfig, RolloutBatch]) -> None:

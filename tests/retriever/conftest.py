@@ -6,8 +6,10 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from sisrl.common.procs import free_port, launch_module, stop_process, wait_healthy
-from sisrl.retriever.encoder import EncoderConfig, load_encoder
+from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
 from sisrl.retriever.index import BuildConfig, build_index
 
 # Forty hand-written passages on distinct topics, in the wiki-18 `"Title"\ntext` layout, so every test query
@@ -224,15 +226,49 @@ def budgeted_progress(what: str, budget_s: float) -> Callable[[int, int], Callab
     return factory
 
 
+def e5_cache_key(corpus: Path, encoder: Encoder, cfg: BuildConfig) -> str:
+    """What decides the bytes of the E5 test index: the subset's checksum, the encoder's identity, dtype and
+    runtime, the build options, the versions of the libraries that compute it, and the source of sisrl's retriever
+    and common packages and of this file (a change to the encoder or the build code is a new key, so a cached
+    index never hides it)."""
+    import hashlib
+    from importlib import metadata
+
+    import sisrl.common
+    import sisrl.retriever
+    from sisrl.retriever.corpus import file_sha256
+
+    digest = hashlib.sha256()
+    versions = {}
+    for dist in ("faiss-cpu", "onnxruntime", "torch", "sentence-transformers", "transformers", "tokenizers", "numpy"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    facts = {"corpus": file_sha256(corpus), "identity": encoder.identity, "dtype": encoder.dtype,
+             "backend": encoder.backend, "forward": encoder.forward, "index": cfg.index, "shard_size": cfg.shard_size,
+             "versions": versions}
+    digest.update(json.dumps(facts, sort_keys=True).encode())
+    packages = [Path(sisrl.retriever.__file__).parent, Path(sisrl.common.__file__).parent]
+    for source in sorted(p for package in packages for p in package.rglob("*.py")) + [Path(__file__)]:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+E5_CACHE_KEEP = 3  # cached E5 test indexes kept under the user cache (the newest by use)
+
+
 @pytest.fixture(scope="session")
 def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The subset indexed with the offline E5 (`EncoderConfig()`: the default model, dtype auto), built once
-    per session with every core and length-sorted batches.
+    """The subset indexed with the offline E5 (`EncoderConfig()`: the default model, dtype auto), built with
+    every core and length-sorted batches, under the budget of `budgeted_progress`.
 
-    `SISRL_TEST_E5_INDEX=DIR` reuses an index built earlier by `sisrl-retriever build`; it is accepted only
-    when its manifest names the default encoder and the checksum of this very subset, so it is the index this
-    fixture would build.
+    The build is kept in the user cache (`<cache>/test-indexes/e5-<key>`, see `e5_cache_key`) and reused by
+    later sessions while nothing that decides its bytes has changed; `SISRL_TEST_E5_CACHE=0` builds afresh
+    (a first run on a fresh machine). `SISRL_TEST_E5_INDEX=DIR` reuses an index built earlier by `sisrl-retriever
+    build`; it is accepted only when its manifest names the default encoder and the checksum of this very subset.
     """
+    from sisrl.common.cache import user_cache_dir
     from sisrl.retriever.corpus import file_sha256
     from sisrl.retriever.manifest import load_manifest
 
@@ -244,12 +280,30 @@ def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -
             raise ValueError(f"SISRL_TEST_E5_INDEX={prebuilt}: built with {manifest.encoder.model!r} over corpus "
                              f"sha256 {manifest.corpus_sha256}, expected {expected}")
         return Path(prebuilt)
-    out = tmp_path_factory.mktemp("e5_index")
     started = time.perf_counter()
+    encoder = load_encoder(EncoderConfig())
+    use_cache = os.environ.get("SISRL_TEST_E5_CACHE", "1") != "0"
+    out = tmp_path_factory.mktemp("e5_index")
+    cfg = BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=1024)
+    cache = user_cache_dir("test-indexes")
+    cached = cache / f"e5-{e5_cache_key(e5_subset_corpus, encoder, cfg)}"
+    if use_cache and (cached / "manifest.json").is_file():
+        cached.touch()  # the newest by use is kept longest
+        sys.stderr.write(f"\n[e5_index] reused {cached} (SISRL_TEST_E5_CACHE=0 builds afresh)\n")
+        return cached
     with torch_threads(os.cpu_count() or 1):
-        build_index(BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=1024), load_encoder(EncoderConfig()),
-                    progress=budgeted_progress("e5_index build", E5_BUILD_BUDGET_S))
+        build_index(cfg, encoder, progress=budgeted_progress("e5_index build", E5_BUILD_BUDGET_S))
     sys.stderr.write(f"\n[e5_index] built in {time.perf_counter() - started:.1f}s at {out}\n")
+    if not use_cache:
+        return out
+    staging = Path(tempfile.mkdtemp(prefix=".e5-", dir=cache))
+    shutil.copytree(out, staging, dirs_exist_ok=True)
+    with contextlib.suppress(OSError):  # another session may have stored the same key meanwhile: keep its copy
+        staging.rename(cached)
+    shutil.rmtree(staging, ignore_errors=True)
+    entries = sorted(cache.glob("e5-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[E5_CACHE_KEEP:]:
+        shutil.rmtree(old, ignore_errors=True)
     return out
 
 

@@ -2,12 +2,17 @@
 
 Recall@3 of gold passages must reach 0.9 (and drop without the query prefix); a real server (restarted on the
 same index) must give identical results, and the eval CLI against it the same recall as the in-process evaluation.
+The index is built once and kept in the user cache under a key of everything that decides its bytes (the
+`e5_index` fixture); the queries are encoded afresh in every run.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -15,12 +20,13 @@ import pytest
 from sisrl.common.hardware import choose_dtype
 from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
 from sisrl.retriever.cli import main as cli_main
-from sisrl.retriever.encoder import EncoderConfig, choose_backend
+from sisrl.retriever.encoder import EncoderConfig, choose_backend, load_encoder
 from sisrl.retriever.eval import EvalReport, evaluate, load_questions
+from sisrl.retriever.index import BuildConfig
 from sisrl.retriever.manifest import load_manifest
 from sisrl.retriever.searcher import SearcherOptions, open_searcher
 
-from .conftest import E5_OTHERS, start_server, stop_server
+from .conftest import E5_OTHERS, e5_cache_key, start_server, stop_server, torch_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,11 +115,30 @@ def test_every_backend_gives_the_same_recall(e5_index: Path, shared_data: Path, 
     searcher = open_searcher(e5_index, SearcherOptions(backend=backend))
     try:
         assert searcher.encoder.backend == backend
-        report = evaluate(load_questions(shared_data / "nq" / "dev.jsonl"),
-                          lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)])
+        with torch_threads(os.cpu_count() or 1):  # nothing else runs beside it (ONNX Runtime uses every core too)
+            report = evaluate(load_questions(shared_data / "nq" / "dev.jsonl"),
+                              lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)])
     finally:
         searcher.close()
     sys.stderr.write(f"\n[nq/dev, {backend} backend] {json.dumps(report.as_dict())}\n")
     for k in (1, 3, 10):
         tolerance = 0.02 if backend == "onnx-int8" and k != 3 else 0.01
         assert abs(report.gold_recall[k] - in_process_report.gold_recall[k]) <= tolerance, (k, report.as_dict())
+
+
+def test_the_cached_index_is_keyed_by_what_decides_its_bytes(e5_subset_corpus: Path, tmp_path: Path) -> None:
+    """The `e5_index` fixture reuses a build from the user cache only under the same key: another prefix, dtype,
+    runtime, shard size or corpus byte must give another key (so a cached index never hides an encoder change)."""
+    encoder = load_encoder(EncoderConfig())
+    cfg = BuildConfig(corpus=e5_subset_corpus, out=tmp_path / "unused", shard_size=1024)
+    key = e5_cache_key(e5_subset_corpus, encoder, cfg)
+    assert e5_cache_key(e5_subset_corpus, encoder, cfg) == key
+    changed = [copy.copy(encoder) for _ in range(3)]
+    changed[0].identity = {**encoder.identity, "passage_prefix": ""}
+    changed[1].dtype = "bfloat16" if encoder.dtype == "float32" else "float32"
+    changed[2].backend = "torch" if encoder.backend != "torch" else "onnx"
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(e5_subset_corpus.read_bytes() + b"\n")
+    keys = [e5_cache_key(e5_subset_corpus, enc, cfg) for enc in changed]
+    keys += [e5_cache_key(other, encoder, cfg), e5_cache_key(e5_subset_corpus, encoder, replace(cfg, shard_size=512))]
+    assert key not in keys and len(set(keys)) == len(keys), keys

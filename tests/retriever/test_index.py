@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from collections.abc import Callable
@@ -124,7 +125,12 @@ def test_ivf_build_streams_shards_and_keeps_row_order(tmp_path: Path, kind: str)
     for i in range(3):
         shard_path(cfg.out, i).parent.mkdir(parents=True, exist_ok=True)
         np.save(shard_path(cfg.out, i), rows[i * 200:(i + 1) * 200])
-    params = _faiss_stage(cfg, 16, 3)
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(os.cpu_count() or 1)  # OPQ's training is the slow part; this module runs one thread
+    try:
+        params = _faiss_stage(cfg, 16, 3)
+    finally:
+        faiss.omp_set_num_threads(before)
     assert params["train_rows"] == 300 and params["ivf_nlist"] == 4
     index = faiss.read_index(str(cfg.out / FAISS_FILE))
     assert index.ntotal == 600

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from sisrl.common.procs import free_port, launch_module, stop_process, wait_healthy
+from sisrl.common.procs import Service, free_port, launch_module, stop_process, wait_healthy
 from sisrl.services.pg_cluster import Cluster, Unavailable, start_cluster
 
 GATEWAY_TOKEN = "test-token-123456"
@@ -177,8 +177,11 @@ class PolicyServer:
 
 
 @pytest.fixture(scope="session")
-def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
-    """One policy server for the session (max_tokens capped at 16 so schema fuzzing stays fast)."""
+def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                  request: pytest.FixtureRequest) -> Iterator[PolicyServer]:
+    """One policy server for the session (max_tokens capped at 16 so schema fuzzing stays fast). When the
+    session also has tests of `policy_server_b`, that server is launched here too, so the two start-ups (mostly
+    imports, one core each) overlap."""
     root = tmp_path_factory.mktemp("policy_checkpoints")
     log = tmp_path_factory.mktemp("policy_server") / "server.log"
     port = free_port()
@@ -186,9 +189,15 @@ def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactor
                             ["--model", str(tiny_policy_dir), "--port", str(port), "--checkpoint-root", str(root),
                              "--max-tokens", "16", "--log-level", "warning", "--threads", "1", "--dtype", "float32"],
                             port=port, log=log, env={"SISRL_ENGINE_API_TOKEN": None})
+    second = None
+    if any("policy_server_b" in item.fixturenames for item in request.session.items):
+        second = SecondPolicyServer.under(tiny_policy_dir, tmp_path_factory)
+        _EARLY_B.append((second, second.launch()))
     wait_healthy(service, timeout_s=STARTUP_S)
     yield PolicyServer(url=service.url, checkpoint_root=root, log=log, process=service.process)
     service.stop()
+    if second is not None:
+        second.stop()  # a no-op once policy_server_b has stopped it
 
 
 ENGINE_TOKEN = "engine-token-123456"
@@ -210,14 +219,24 @@ class SecondPolicyServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    @classmethod
+    def under(cls, model: Path, tmp_path_factory: pytest.TempPathFactory) -> SecondPolicyServer:
+        tmp = tmp_path_factory.mktemp("policy_server_b")
+        (tmp / "root").mkdir()
+        return cls(model=model, root=tmp / "root", log=tmp / "server.log", port=free_port())
+
+    def launch(self) -> Service:
+        """Start the process and return at once (`start` waits for /health too)."""
         service = launch_module(
             "policy server B", "sisrl.services.engines.openai_server",
             ["--model", str(self.model), "--port", str(self.port), "--checkpoint-root", str(self.root),
              "--max-tokens", "16", "--log-level", "warning", "--threads", "1", "--dtype", "float32"],
             port=self.port, log=self.log, env={"SISRL_ENGINE_API_TOKEN": self.token})
-        wait_healthy(service, timeout_s=STARTUP_S)
         self.process = service.process
+        return service
+
+    def start(self) -> None:
+        wait_healthy(self.launch(), timeout_s=STARTUP_S)
 
     def kill(self) -> None:
         assert self.process is not None
@@ -229,12 +248,19 @@ class SecondPolicyServer:
             stop_process(self.process)
 
 
+_EARLY_B: list[tuple[SecondPolicyServer, Service]] = []  # launched by `policy_server`, awaited by `policy_server_b`
+
+
 @pytest.fixture(scope="session")
-def policy_server_b(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondPolicyServer]:
-    tmp = tmp_path_factory.mktemp("policy_server_b")
-    (tmp / "root").mkdir()
-    second = SecondPolicyServer(model=tiny_policy_dir, root=tmp / "root", log=tmp / "server.log", port=free_port())
-    second.start()
+def policy_server_b(policy_server: PolicyServer, tiny_policy_dir: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondPolicyServer]:
+    """The second server; after `policy_server` so that fixture can launch both at once."""
+    if _EARLY_B:
+        second, service = _EARLY_B.pop()
+        wait_healthy(service, timeout_s=STARTUP_S)
+    else:
+        second = SecondPolicyServer.under(tiny_policy_dir, tmp_path_factory)
+        second.start()
     yield second
     second.stop()
 

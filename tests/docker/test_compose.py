@@ -83,10 +83,17 @@ class Project:
                               cwd=ROOT)
 
     def logs(self) -> str:
-        return self.run("logs", "--no-color", "--no-log-prefix", "retriever", timeout=60).stdout
+        """What the retriever container itself wrote, every start of it. Read with `docker logs`: `compose logs`
+        decorates it differently by version (docker-compose 1.29 adds an `Attaching to ...` line)."""
+        done = subprocess.run(["docker", "logs", self.container()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=60)
+        return done.stdout
+
+    def container(self) -> str:
+        return self.run("ps", "-a", "-q", "retriever", timeout=60).stdout.strip()
 
     def state(self) -> dict[str, object]:
-        cid = self.run("ps", "-a", "-q", "retriever", timeout=60).stdout.strip()
+        cid = self.container()
         done = subprocess.run(["docker", "inspect", "--format", "{{json .State}} {{.RestartCount}}", cid],
                               capture_output=True, text=True, timeout=60)
         state_json, restarts = done.stdout.rsplit(" ", 1)

@@ -13,6 +13,8 @@ Ratios are sisrl / baseline for q/s and baseline / sisrl for latency. Then recal
 the baseline must match within 0.01 (same math).
 
     .venv/bin/python bench/retriever.py --index DIR --seconds 30 [--threads 1]
+    .venv/bin/python bench/retriever.py --index DIR --search-r1 ~/Search-R1   # against the real server instead
+(bench/peer_check.py runs the stand-in against the real server: is it faithful?)
 """
 
 from __future__ import annotations
@@ -279,30 +281,55 @@ def bench_server(name: str, command: list[str], url: str, pool: QueryPool, args:
         service.stop(timeout_s=60)
 
 
-def table(ours: dict[str, object], base: dict[str, object]) -> Iterator[str]:
+def table(ours: dict[str, object], base: dict[str, object],
+          names: tuple[str, str] = ("sisrl", "baseline")) -> Iterator[str]:
+    """Rows of the workloads table; ratios are `names[0]` / `names[1]` for q/s and the inverse for p99."""
     yield (f"{'workload':<22}{'server':<10}{'q/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'q/s x':>8}{'p99 x':>8}"
            f"{'chars/q':>9}")
     for key, label in (("a_batch", "(a) 256 unique/req"), ("b_rl", "(b) 64 x 5 copies"),
                        ("c_clients", "(c) 8 clients x 1"), ("d_many", "(d) many clients x 1")):
         mine, theirs = ours[key], base[key]
         assert isinstance(mine, Result) and isinstance(theirs, Result)
-        for name, r in (("sisrl", mine), ("baseline", theirs)):
-            ratio_q = f"{mine.qps / theirs.qps:8.2f}" if name == "sisrl" else f"{'':8}"
-            ratio_p = f"{theirs.pct(0.99) / mine.pct(0.99):8.2f}" if name == "sisrl" else f"{'':8}"
-            yield (f"{label if name == 'sisrl' else '':<22}{name:<10}{r.qps:9.1f}{r.pct(0.5) * 1000:10.0f}"
+        for name, r in ((names[0], mine), (names[1], theirs)):
+            ratio_q = f"{mine.qps / theirs.qps:8.2f}" if name == names[0] else f"{'':8}"
+            ratio_p = f"{theirs.pct(0.99) / mine.pct(0.99):8.2f}" if name == names[0] else f"{'':8}"
+            yield (f"{label if name == names[0] else '':<22}{name:<10}{r.qps:9.1f}{r.pct(0.5) * 1000:10.0f}"
                    f"{r.pct(0.99) * 1000:10.0f}{ratio_q}{ratio_p}{r.chars_per_query:9.1f}")
-    for name, d in (("sisrl", ours), ("baseline", base)):
+    for name, d in ((names[0], ours), (names[1], base)):
         a, many = d["a_batch"], d["d_many"]
         assert isinstance(a, Result) and isinstance(many, Result)
         yield (f"(d) {name}: req/s / (a) q/s = {many.qps / a.qps:.2f} (target >= 0.8); "
                f"p99 / p50 = {many.pct(0.99) / many.pct(0.5):.2f} (target <= 2); p50 ms by query-length quarter, "
                f"shortest first: {' / '.join(f'{x * 1000:.0f}' for x in many.p50_by_length())}")
-    yield (f"peak RSS MiB (VmHWM, server + its worker processes): sisrl {ours['peak_rss_mib']:.0f}, "
-           f"baseline {base['peak_rss_mib']:.0f}")
+    yield (f"peak RSS MiB (VmHWM, server + its worker processes): {names[0]} {ours['peak_rss_mib']:.0f}, "
+           f"{names[1]} {base['peak_rss_mib']:.0f}")
     for k in (1, 3, 10):
         key = f"eval/gold_recall@{k}"
-        yield (f"gold recall@{k}: sisrl {ours['recall'][key]:.4f}, "  # type: ignore[index]
-               f"baseline {base['recall'][key]:.4f}")  # type: ignore[index]
+        yield (f"gold recall@{k}: {names[0]} {ours['recall'][key]:.4f}, "  # type: ignore[index]
+               f"{names[1]} {base['recall'][key]:.4f}")  # type: ignore[index]
+
+
+def _search_r1_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """bench/search_r1_cpu.py serving `args.index` with Search-R1's file on the baseline's port."""
+    import importlib.util
+
+    from sisrl.retriever.encoder import resolve_model
+    from sisrl.retriever.manifest import load_manifest
+
+    spec = importlib.util.spec_from_file_location("bench_search_r1_cpu", Path(__file__).with_name("search_r1_cpu.py"))
+    assert spec is not None and spec.loader is not None
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    try:
+        server = wrapper.resolve_server(args.search_r1)
+    except ValueError as err:
+        parser.error(str(err))
+    manifest = load_manifest(args.index)
+    if manifest.index_type != "flat":
+        parser.error(f"--index: {args.index} is a {manifest.index_type} index; Search-R1's server reads a flat one")
+    command: list[str] = wrapper.server_command(server, args.index, resolve_model(manifest.encoder.model),
+                                                args.port + 1)
+    return command
 
 
 def main() -> int:
@@ -328,7 +355,14 @@ def main() -> int:
                         help="sisrl's --no-trace: the torch encoder's eager forward (default: traced)")
     parser.add_argument("--port", type=int, default=18600, help="first of two ports used (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write raw numbers here (default: none)")
+    parser.add_argument("--search-r1", type=Path, default=None,
+                        help="bench against Search-R1's own server (a checkout, or its retrieval_server.py; run on "
+                             "the CPU by bench/search_r1_cpu.py) instead of bench/baseline_retriever.py; a flat "
+                             "index only (default: the stand-in)")
     args = parser.parse_args()
+    peer: list[str] | None = None
+    if args.search_r1 is not None:
+        peer = _search_r1_command(parser, args)
     pool = QueryPool([p for p in POOL_FILES if p.is_file()])
     flop_sample = pool.take(512)  # questions like those of (a), for the tokens per query
     workdir = args.index.parent / f".{args.index.name}-bench"
@@ -342,17 +376,18 @@ def main() -> int:
                                   # ONNX Runtime has its own pool; OMP_NUM_THREADS only reaches torch
                                   *(["--torch-threads", str(args.threads)] if args.threads else [])],
                         ours_url, pool, args, workdir)
-    base = bench_server("baseline", [sys.executable, str(ROOT / "bench" / "baseline_retriever.py"), "--index",
-                                     str(args.index), "--port", str(args.port + 1)], base_url, pool, args, workdir)
+    base = bench_server("Search-R1" if peer else "baseline",
+                        peer or [sys.executable, str(ROOT / "bench" / "baseline_retriever.py"), "--index",
+                                 str(args.index), "--port", str(args.port + 1)], base_url, pool, args, workdir)
     from sisrl.common.hardware import cpu_model
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; index {args.index}")
-    for line in table(ours, base):
+    for line in table(ours, base, names=("sisrl", "Search-R1" if peer else "baseline")):
         print(line)
     tokens, per_token = encoder_flops(args.index, flop_sample)
     peak, formula = cpu_peak_flops()
     amx = amx_peak_flops()
-    for name, d in (("sisrl", ours), ("baseline", base)):
+    for name, d in (("sisrl", ours), ("Search-R1" if peer else "baseline", base)):
         a = d["a_batch"]
         assert isinstance(a, Result)
         achieved = a.qps * tokens * per_token

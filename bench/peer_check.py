@@ -22,14 +22,13 @@ from types import ModuleType
 
 import httpx
 from sisrl.common.hardware import cpu_model
-from sisrl.retriever.encoder import resolve_model
 from sisrl.retriever.eval import load_questions
 from sisrl.retriever.manifest import load_manifest
 
 
 def _load(filename: str) -> ModuleType:
     """A file of bench/ loaded by path (`retriever` is also sisrl's package): bench/retriever.py's workloads,
-    question pool and clients, bench/search_r1_cpu.py's command line."""
+    question pool, clients and the Search-R1 server's command line."""
     name = "bench_" + filename.removesuffix(".py")
     spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
     assert spec is not None and spec.loader is not None
@@ -51,23 +50,12 @@ def main() -> int:
     parser.add_argument("--index", type=Path, required=True, help="a sisrl flat index directory (required)")
     parser.add_argument("--search-r1", type=Path, required=True,
                         help="a Search-R1 checkout, or its search_r1/search/retrieval_server.py (required)")
-    parser.add_argument("--seconds", type=float, default=30.0, help="duration of (c) and (d) (default: %(default)s)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in (c) (default: %(default)s)")
-    parser.add_argument("--many-clients", type=int, default=200,
-                        help="concurrent clients in (d) (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
+    bench = _load("retriever.py")
+    bench.add_workload_args(parser)
     parser.add_argument("--port", type=int, default=18700, help="first of two ports used (default: %(default)s)")
     args = parser.parse_args()
-    bench, wrapper = _load("retriever.py"), _load("search_r1_cpu.py")
-    try:
-        server = wrapper.resolve_server(args.search_r1)
-    except ValueError as err:
-        parser.error(str(err))
+    peer_cmd = bench.search_r1_command(parser, args)  # on args.port + 1
     manifest = load_manifest(args.index)
-    if manifest.index_type != "flat":
-        parser.error(f"--index: {args.index} is a {manifest.index_type} index; Search-R1's server reads a flat one")
     args.questions = bench.DATA / "nq" / "dev.jsonl"
     pool = bench.QueryPool([p for p in bench.POOL_FILES if p.is_file()])
     workdir = args.index.parent / f".{args.index.name}-peer"
@@ -77,7 +65,6 @@ def main() -> int:
     here = Path(__file__).resolve().parent
     base_cmd = [sys.executable, str(here / "baseline_retriever.py"), "--index", str(args.index),
                 "--port", str(args.port)]
-    peer_cmd = wrapper.server_command(server, args.index, resolve_model(manifest.encoder.model), args.port + 1)
     results, tops = {}, {}
     for name, command, url in (("baseline", base_cmd, base_url), ("Search-R1", peer_cmd, peer_url)):
         service = bench.start(name, command, url, workdir / f"{name}-top3.log", args.threads)

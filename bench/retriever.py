@@ -309,7 +309,19 @@ def table(ours: dict[str, object], base: dict[str, object],
                f"{names[1]} {base['recall'][key]:.4f}")  # type: ignore[index]
 
 
-def _search_r1_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The options of workloads (a)-(d) and the servers' thread count (bench/peer_check.py has them too)."""
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="duration of workloads (c) and (d) (default: %(default)s)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in (c) (default: %(default)s)")
+    parser.add_argument("--many-clients", type=int, default=200,
+                        help="concurrent clients in (d) (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
+
+
+def search_r1_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """bench/search_r1_cpu.py serving `args.index` with Search-R1's file on the baseline's port."""
     import importlib.util
 
@@ -337,13 +349,7 @@ def main() -> int:
     parser.add_argument("--index", type=Path, required=True, help="index directory (required)")
     parser.add_argument("--questions", type=Path, default=DATA / "nq" / "dev.jsonl",
                         help="questions for the recall check (default: %(default)s)")
-    parser.add_argument("--seconds", type=float, default=30.0, help="duration of workload (c) (default: %(default)s)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in (c) (default: %(default)s)")
-    parser.add_argument("--many-clients", type=int, default=200,
-                        help="concurrent clients in (d) (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=3, help="requests in (a) and (b) (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="OMP_NUM_THREADS for both servers; 0 = inherit (default: %(default)s)")
+    add_workload_args(parser)
     parser.add_argument("--encode-workers", type=int, default=0,
                         help="sisrl's --encode-workers (default: %(default)s = the server's auto: one per core, "
                              "one intra-op thread each)")
@@ -362,7 +368,7 @@ def main() -> int:
     args = parser.parse_args()
     peer: list[str] | None = None
     if args.search_r1 is not None:
-        peer = _search_r1_command(parser, args)
+        peer = search_r1_command(parser, args)
     pool = QueryPool([p for p in POOL_FILES if p.is_file()])
     flop_sample = pool.take(512)  # questions like those of (a), for the tokens per query
     workdir = args.index.parent / f".{args.index.name}-bench"

@@ -285,7 +285,7 @@ def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -
     use_cache = os.environ.get("SISRL_TEST_E5_CACHE", "1") != "0"
     out = tmp_path_factory.mktemp("e5_index")
     cfg = BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=1024)
-    cache = user_cache_dir("test-indexes")
+    cache = user_cache_dir("test-indexes") if use_cache else out
     cached = cache / f"e5-{e5_cache_key(e5_subset_corpus, encoder, cfg)}"
     if use_cache and (cached / "manifest.json").is_file():
         cached.touch()  # the newest by use is kept longest

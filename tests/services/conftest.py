@@ -193,7 +193,12 @@ def policy_server(tiny_policy_dir: Path, tmp_path_factory: pytest.TempPathFactor
     if any("policy_server_b" in item.fixturenames for item in request.session.items):
         second = SecondPolicyServer.under(tiny_policy_dir, tmp_path_factory)
         _EARLY_B.append((second, second.launch()))
-    wait_healthy(service, timeout_s=STARTUP_S)
+    try:
+        wait_healthy(service, timeout_s=STARTUP_S)
+    except RuntimeError:
+        if second is not None:
+            second.stop()
+        raise
     yield PolicyServer(url=service.url, checkpoint_root=root, log=log, process=service.process)
     service.stop()
     if second is not None:

@@ -414,7 +414,8 @@ def main() -> int:
             return {k: ({"qps": v.qps, "p50": v.pct(0.5), "p99": v.pct(0.99), "n": v.queries,
                          "chars_per_query": v.chars_per_query}
                         if isinstance(v, Result) else v) for k, v in d.items()}
-        args.json_out.write_text(json.dumps({"sisrl": plain(ours), "baseline": plain(base)}, indent=2))
+        args.json_out.write_text(json.dumps({"sisrl": plain(ours), "Search-R1" if peer else "baseline": plain(base)},
+                                            indent=2))
     gap = abs(ours["recall"]["eval/gold_recall@3"] - base["recall"]["eval/gold_recall@3"])  # type: ignore[index]
     print(f"recall@3 gap {gap:.4f} ({'ok' if gap <= 0.01 else 'FAIL: > 0.01'})")
     return 0 if gap <= 0.01 else 1

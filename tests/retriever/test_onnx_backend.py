@@ -85,6 +85,22 @@ def test_int8_is_made_once_and_stays_close() -> None:
     assert cosine.max() < 0.99999 and np.median(cosine) >= 0.9 and cosine.min() >= 0.5, cosine
 
 
+def test_only_int8_vectors_depend_on_their_batch_mates_and_int8_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A coalescing server answers a question the same whatever else is waiting only if a text's vector does not
+    depend on the batch it is encoded in: true of the float32 backends, not of int8's per-batch activation scale
+    (one reason it stays opt-in, docs/encoder.md), which its load warns about."""
+    exact = load_encoder(EncoderConfig(model="minilm", backend="onnx"))
+    with caplog.at_level("WARNING", logger="sisrl.retriever.encoder"):
+        int8 = load_encoder(EncoderConfig(model="minilm", backend="onnx-int8"))
+    assert "depends on the texts encoded with it" in caplog.text
+    lowest = {}
+    for name, encoder in (("onnx", exact), ("onnx-int8", int8)):
+        batch = encoder.encode_queries(TEXTS)  # [n, dim], one batch
+        alone = np.stack([encoder.encode_queries([text])[0] for text in TEXTS])
+        lowest[name] = float(np.einsum("nd,nd->n", batch, alone).min())
+    assert lowest["onnx"] >= 0.99999 and lowest["onnx-int8"] < 0.9999, lowest
+
+
 def test_auto_takes_onnx_only_for_float32_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_backend(EncoderConfig(backend="torch")) == "torch"
     assert choose_backend(EncoderConfig(device="cpu", dtype="float32")) == "onnx"

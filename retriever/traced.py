@@ -11,6 +11,14 @@ keeps the eager path.
 Scope: a `Transformer` module, a `Pooling` module in `mean` or `cls` mode over the whole text (prompt included),
 and optionally a `Normalize` module (normalisation happens afterwards in `Encoder._encode` anyway). Anything else
 (other pooling, lower-casing, extra modules) keeps the eager path.
+
+Packed small calls: where the transformer is a BERT (absolute positions from 0, one token type), a call of a few
+texts with at most PACK_TOKENS tokens in all runs as one row without padding: the texts' tokens end to end,
+position ids restarting at each text, an attention mask that keeps each text to itself, and pooling by text.
+That is what a server's worker gets from a few one-query clients; padded, ~21 % of its tokens were padding
+(`bench/chunk_padding.py`). Larger calls keep padded batches: the masked attention over one long row grows with
+its square, and length-sorted batches pad little. Checked at load like the padded graph; a mismatch or trace
+error only turns packing off.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ _PROBES = ("a", "who wrote the origin of species", "when did the eiffel tower op
            "and how tall was it then compared with the washington monument")
 # Lowest cosine between traced and eager embeddings of the probes, per dtype (bf16 rounds differently per shape).
 _MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999, "float16": 0.999}
+# Most tokens one packed row holds: its attention, masked to each text but computed over the whole row, costs
+# ~4 x row^2 x hidden FLOPs a layer; at 192 tokens that is ~8 % of the row's linear layers for e5-small.
+PACK_TOKENS = 192
 
 
 def _pipeline(model: Any) -> str | None:
@@ -66,13 +77,60 @@ def _make_module(model: Any, mode: str) -> Any:
     return Pooled(model[0].auto_model).eval()
 
 
+def _make_packed_module(model: Any) -> Any:
+    import torch
+
+    class Packed(torch.nn.Module):
+        """One row of texts end to end -> [n, dim] float32 pooled embeddings; `pool` [n, m] holds each text's
+        pooling weights over the row (1/length on its tokens for mean, 1 on its first token for cls)."""
+
+        def __init__(self, transformer: torch.nn.Module) -> None:
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                    pool: torch.Tensor) -> torch.Tensor:  # [1, m], [1, m], [1, 1, m, m] bool, [n, m]
+            hidden = self.transformer(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                      token_type_ids=torch.zeros_like(ids)).last_hidden_state[0].float()  # [m, d]
+            return pool @ hidden  # [n, d]
+
+    return Packed(model[0].auto_model).eval()
+
+
+def _packed_inputs(rows: list[list[int]], mode: str) -> tuple[Any, Any, Any, Any]:
+    """(ids [1, m], positions [1, m], mask [1, 1, m, m], pool [n, m]) of token rows laid end to end."""
+    import torch
+
+    lengths = torch.tensor([len(row) for row in rows])  # [n]
+    ids = torch.tensor([token for row in rows for token in row], dtype=torch.long)[None]  # [1, m]
+    starts = torch.cumsum(lengths, 0) - lengths  # [n]
+    text = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # [m]: which text each token is
+    positions = (torch.arange(ids.shape[1]) - starts[text])[None]  # [1, m], from 0 in each text
+    mask = (text[:, None] == text[None, :])[None, None]  # [1, 1, m, m]: a text attends to itself only
+    member = (text[None, :] == torch.arange(len(rows))[:, None]).float()  # [n, m]
+    if mode == "cls":
+        pool = member * (positions == 0).float()  # [n, m]: the text's first token
+    else:
+        pool = member / lengths[:, None].float()  # [n, m]: mean over the text's tokens
+    return ids, positions, mask, pool
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    """[n, d] rows scaled to unit length in float32 (sentence-transformers normalises a bf16 model's output in
+    bf16, so its rows are only near unit length: cosines against them come out ~1e-3 off)."""
+    vectors = vectors.astype(np.float32)
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
 class TracedForward:
     """`embed(texts)` -> [n, dim] float32 pooled embeddings through the traced graph (texts already prefixed)."""
 
-    def __init__(self, graph: Any, tokenizer: Any, max_length: int, dim: int) -> None:
+    def __init__(self, graph: Any, tokenizer: Any, max_length: int, dim: int, mode: str = "mean") -> None:
         self.graph, self.tokenizer, self.max_length, self.dim = graph, tokenizer, max_length, dim
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.right_padding = tokenizer.padding_side != "left"
+        self.mode = mode
+        self.packed: Any = None  # the packed graph, set by trace_forward once it is checked
 
     def embed(self, texts: list[str], batch_size: int, show_progress: bool = False) -> np.ndarray:
         """Longest texts first in batches of `batch_size` (each pads to its own longest), rows back in input order.
@@ -84,6 +142,9 @@ class TracedForward:
 
         ids = self.tokenizer(texts, truncation=True, max_length=self.max_length,
                              return_attention_mask=False)["input_ids"]
+        if self.packed is not None and 1 < len(ids) and sum(map(len, ids)) <= PACK_TOKENS:
+            with torch.inference_mode():
+                return np.asarray(self._embed_packed(ids).numpy(), dtype=np.float32)  # [n, dim], input order
         order = np.argsort([-len(row) for row in ids], kind="stable")
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         starts = range(0, len(texts), batch_size)
@@ -105,6 +166,10 @@ class TracedForward:
                 out[rows] = self.graph(tokens, mask).numpy()  # [b, dim] float32
         return out
 
+    def _embed_packed(self, rows: list[list[int]]) -> Any:
+        """[n, dim] float32 pooled embeddings of token rows through the packed graph, one forward."""
+        return self.packed(*_packed_inputs(rows, self.mode))
+
 
 def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> TracedForward | None:
     """The traced forward of a CPU `SentenceTransformer`, or None (logged why) where the eager path must stay."""
@@ -125,15 +190,14 @@ def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> Trace
                                                      check_trace=False))
         dim = model.get_embedding_dimension() if hasattr(model, "get_embedding_dimension") else \
             model.get_sentence_embedding_dimension()
-        traced = TracedForward(graph, tokenizer, max_length, int(dim))
+        traced = TracedForward(graph, tokenizer, max_length, int(dim), mode)
         texts = [prefix + t for t in _PROBES]
         for probe in (texts[:1], texts[::-1]):  # one unpadded row; a padded batch in another order
             mine = traced.embed(probe, batch_size=len(probe))
             with torch.inference_mode():
                 ref = model.encode(probe, convert_to_numpy=True, normalize_embeddings=True, batch_size=len(probe),
                                    show_progress_bar=False)
-            mine = mine / np.maximum(np.linalg.norm(mine, axis=1, keepdims=True), 1e-12)
-            cosine = float(np.min(np.sum(mine * ref.astype(np.float32), axis=1)))
+            cosine = float(np.min(np.sum(_unit(mine) * _unit(ref), axis=1)))
             if cosine < _MIN_COSINE.get(dtype, 0.999):
                 logger.warning("encoder: traced forward differs from sentence-transformers (cosine %.6f); eager "
                                "forward", cosine)
@@ -142,4 +206,39 @@ def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> Trace
     except Exception as exc:  # noqa: BLE001 - any trace failure only costs speed
         logger.warning("encoder: cannot trace the forward pass (%s: %s); eager forward", type(exc).__name__, exc)
         return None
+    traced.packed = _trace_packed(model, mode, dtype, traced, [prefix + t for t in _PROBES])
     return traced
+
+
+def _trace_packed(model: Any, mode: str, dtype: str, traced: TracedForward, texts: list[str]) -> Any:
+    """The packed graph of a BERT transformer, checked against sentence-transformers on `texts` (as one packed
+    call, and two of them in the other order); None (logged why) where the padded graph must do all calls."""
+    import torch
+
+    config = getattr(model[0].auto_model, "config", None)
+    if getattr(config, "model_type", None) != "bert" or \
+            getattr(config, "position_embedding_type", "absolute") != "absolute":
+        logger.info("encoder: %s is not a BERT with absolute positions; small calls are padded, not packed",
+                    getattr(config, "model_type", type(model[0]).__name__))
+        return None
+    try:
+        rows = traced.tokenizer(texts, truncation=True, max_length=traced.max_length,
+                                return_attention_mask=False)["input_ids"]
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = torch.jit.freeze(torch.jit.trace(_make_packed_module(model), _packed_inputs(rows[1:], mode),
+                                                     check_trace=False))
+            for probe in (texts, texts[:2][::-1]):
+                mine = graph(*_packed_inputs([rows[texts.index(t)] for t in probe], mode)).numpy()
+                ref = model.encode(probe, convert_to_numpy=True, normalize_embeddings=True, batch_size=len(probe),
+                                   show_progress_bar=False)
+                cosine = float(np.min(np.sum(_unit(mine) * _unit(ref), axis=1)))
+                if cosine < _MIN_COSINE.get(dtype, 0.999):
+                    logger.warning("encoder: packed forward differs from sentence-transformers (cosine %.6f); "
+                                   "small calls are padded", cosine)
+                    return None
+    except Exception as exc:  # noqa: BLE001 - a packing failure only costs speed
+        logger.warning("encoder: cannot trace the packed forward (%s: %s); small calls are padded",
+                       type(exc).__name__, exc)
+        return None
+    return graph

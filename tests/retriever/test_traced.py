@@ -75,3 +75,68 @@ def test_serve_no_trace_reaches_the_encoder_config(tmp_path: Path) -> None:
 
     assert searcher_options(Settings(index=tmp_path)).trace is True
     assert searcher_options(Settings(index=tmp_path, trace=False)).trace is False
+
+
+class _Counted:
+    """A graph that counts its calls (the padded graph, to see which graph a call took)."""
+
+    def __init__(self, graph: object) -> None:
+        self.graph, self.calls = graph, 0
+
+    def __call__(self, *args: object) -> object:
+        self.calls += 1
+        return self.graph(*args)  # type: ignore[operator]
+
+
+def test_small_calls_run_packed_without_padding_and_give_the_eager_vectors() -> None:
+    from sisrl.retriever.traced import PACK_TOKENS
+
+    traced, eager = _torch(batch_size=8), _torch(batch_size=8, trace=False)
+    assert traced.traced is not None and traced.traced.packed is not None  # MiniLM is a BERT: packing checked in
+    padded = _Counted(traced.traced.graph)
+    traced.traced.graph = padded
+    small = [TEXTS[1:4], TEXTS[3:0:-1], [TEXTS[6], TEXTS[0]], TEXTS[:4] + TEXTS[5:]]  # 2-7 texts, lengths 3-19
+    for texts in small:
+        mine, ref = traced.encode_queries(texts), eager.encode_queries(texts)
+        cosine = np.sum(mine * ref, axis=1)
+        assert cosine.min() > 0.99999, (texts, cosine)  # a text attending to its neighbours scores ~0.9 here
+    assert padded.calls == 0  # every one of those calls ran as one packed row
+    big = [t for t in TEXTS if "long" not in t] * 12  # ~100 texts: over PACK_TOKENS, padded batches
+    assert sum(map(len, traced._model.tokenizer(big)["input_ids"])) > PACK_TOKENS
+    np.testing.assert_allclose(traced.encode_queries(big), eager.encode_queries(big), atol=1e-5)
+    assert padded.calls > 0
+
+
+def test_packed_inputs_restart_positions_keep_each_text_to_itself_and_pool_by_text() -> None:
+    from sisrl.retriever.traced import _packed_inputs
+
+    ids, positions, mask, pool = _packed_inputs([[7, 8, 9], [5, 6]], "mean")
+    assert ids.tolist() == [[7, 8, 9, 5, 6]] and positions.tolist() == [[0, 1, 2, 0, 1]]
+    assert mask.shape == (1, 1, 5, 5)
+    assert mask[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0],
+                                         [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+    np.testing.assert_allclose(pool.numpy(), [[1 / 3, 1 / 3, 1 / 3, 0, 0], [0, 0, 0, 0.5, 0.5]])
+    _, _, _, cls = _packed_inputs([[7, 8, 9], [5, 6]], "cls")
+    assert cls.tolist() == [[1, 0, 0, 0, 0], [0, 0, 0, 1, 0]]
+
+
+def test_a_packed_graph_that_differs_from_sentence_transformers_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Positions that run on across the texts (no restart per text) give other vectors: the load-time check turns
+    packing off, and the encoder still gives the eager vectors through its padded graph."""
+    import sisrl.retriever.traced as traced_module
+    import torch
+
+    original = traced_module._packed_inputs
+
+    def positions_run_on(rows: list[list[int]], mode: str) -> tuple[object, ...]:
+        ids, positions, mask, pool = original(rows, mode)
+        return ids, torch.arange(ids.shape[1])[None], mask, pool
+
+    monkeypatch.setattr(traced_module, "_packed_inputs", positions_run_on)
+    with caplog.at_level("WARNING", logger="sisrl.retriever.traced"):
+        traced = _torch()
+    assert traced.traced is not None and traced.traced.packed is None
+    assert "packed forward differs from sentence-transformers" in caplog.text
+    np.testing.assert_allclose(traced.encode_queries(TEXTS[1:4]), _torch(trace=False).encode_queries(TEXTS[1:4]),
+                               atol=1e-5)

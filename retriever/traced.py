@@ -115,6 +115,16 @@ def _packed_inputs(rows: list[list[int]], mode: str) -> tuple[Any, Any, Any, Any
     return ids, positions, mask, pool
 
 
+def _lowest_cosine(model: Any, probe: list[str], mine: np.ndarray) -> float:
+    """Lowest cosine between the rows of `mine` [n, dim] and sentence-transformers' own encoding of `probe`."""
+    import torch
+
+    with torch.inference_mode():
+        ref = model.encode(probe, convert_to_numpy=True, normalize_embeddings=True, batch_size=len(probe),
+                           show_progress_bar=False)
+    return float(np.min(np.sum(_unit(mine) * _unit(ref), axis=1)))
+
+
 def _unit(vectors: np.ndarray) -> np.ndarray:
     """[n, d] rows scaled to unit length in float32 (sentence-transformers normalises a bf16 model's output in
     bf16, so its rows are only near unit length: cosines against them come out ~1e-3 off)."""
@@ -193,11 +203,7 @@ def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> Trace
         traced = TracedForward(graph, tokenizer, max_length, int(dim), mode)
         texts = [prefix + t for t in _PROBES]
         for probe in (texts[:1], texts[::-1]):  # one unpadded row; a padded batch in another order
-            mine = traced.embed(probe, batch_size=len(probe))
-            with torch.inference_mode():
-                ref = model.encode(probe, convert_to_numpy=True, normalize_embeddings=True, batch_size=len(probe),
-                                   show_progress_bar=False)
-            cosine = float(np.min(np.sum(_unit(mine) * _unit(ref), axis=1)))
+            cosine = _lowest_cosine(model, probe, traced.embed(probe, batch_size=len(probe)))
             if cosine < _MIN_COSINE.get(dtype, 0.999):
                 logger.warning("encoder: traced forward differs from sentence-transformers (cosine %.6f); eager "
                                "forward", cosine)
@@ -230,9 +236,7 @@ def _trace_packed(model: Any, mode: str, dtype: str, traced: TracedForward, text
                                                      check_trace=False))
             for probe in (texts, texts[:2][::-1]):
                 mine = graph(*_packed_inputs([rows[texts.index(t)] for t in probe], mode)).numpy()
-                ref = model.encode(probe, convert_to_numpy=True, normalize_embeddings=True, batch_size=len(probe),
-                                   show_progress_bar=False)
-                cosine = float(np.min(np.sum(_unit(mine) * _unit(ref), axis=1)))
+                cosine = _lowest_cosine(model, probe, mine)
                 if cosine < _MIN_COSINE.get(dtype, 0.999):
                     logger.warning("encoder: packed forward differs from sentence-transformers (cosine %.6f); "
                                    "small calls are padded", cosine)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sisrl.retriever.encoder import resolve_model
 from sisrl.retriever.service import ROW_CHARS, balanced_chunks
+from sisrl.retriever.traced import PACK_TOKENS
 from transformers import AutoTokenizer
 
 
@@ -36,7 +37,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.encoder))
     size = -(-args.batch // args.workers)
     real = 0
-    padded = {"halves": 0, "balanced": 0}
+    padded = {"halves": 0, "balanced": 0, "balanced, packed": 0}
     slowest: dict[str, list[float]] = {"halves": [], "balanced": [], "balanced, packed": [], "unpadded ideal": []}
     for _ in range(args.batches):
         batch = pool.take(args.batch)
@@ -48,7 +49,11 @@ def main() -> None:
             costs = [len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]  # each pads to its longest
             padded[name] += sum(costs)
             slowest[name].append(max(costs))
-        slowest["balanced, packed"].append(max(sum(tokens[i] for i in chunk) for chunk in cuts["balanced"]))
+        # a chunk of 2+ queries within PACK_TOKENS runs packed (its real tokens); a larger one pads as above
+        packed = [sum(tokens[i] for i in chunk) if 1 < len(chunk) and sum(tokens[i] for i in chunk) <= PACK_TOKENS
+                  else len(chunk) * max(tokens[i] for i in chunk) for chunk in cuts["balanced"]]
+        padded["balanced, packed"] += sum(packed)
+        slowest["balanced, packed"].append(max(packed))
         slowest["unpadded ideal"].append(sum(tokens) / args.workers)
     print(f"{args.batches} batches of {args.batch} pool questions, {args.workers} workers, {args.encoder} tokens")
     print("| cut | padding | slowest chunk, tokens: p50 | p99 | p99 / halves' p99 |")

@@ -95,11 +95,11 @@ def test_small_calls_run_packed_without_padding_and_give_the_eager_vectors() -> 
     assert traced.traced is not None and traced.traced.packed is not None  # MiniLM is a BERT: packing checked in
     padded = _Counted(traced.traced.graph)
     traced.traced.graph = padded
-    small = [TEXTS[1:4], TEXTS[3:0:-1], [TEXTS[6], TEXTS[0]], TEXTS[:4] + TEXTS[5:]]  # 2-7 texts, lengths 3-19
+    small = [TEXTS[1:4], TEXTS[3:0:-1], [TEXTS[6], TEXTS[0]], TEXTS[:4] + TEXTS[5:]]  # 2-7 short texts
     for texts in small:
         mine, ref = traced.encode_queries(texts), eager.encode_queries(texts)
         cosine = np.sum(mine * ref, axis=1)
-        assert cosine.min() > 0.99999, (texts, cosine)  # a text attending to its neighbours scores ~0.9 here
+        assert cosine.min() > 0.99999, (texts, cosine)  # fails if a text sees its neighbours
     assert padded.calls == 0  # every one of those calls ran as one packed row
     big = [t for t in TEXTS if "long" not in t] * 12  # ~100 texts: over PACK_TOKENS, padded batches
     assert sum(map(len, traced._model.tokenizer(big)["input_ids"])) > PACK_TOKENS

@@ -1,9 +1,12 @@
 """Index build speed: encoder batches cut from length-sorted passages against batches in corpus order.
 
-Both variants run the build's own code path (`sisrl.retriever.index._encode_rows`) on the same passages, the
-same encoder, dtype and thread count, alternating a few times in one process; the table gives passages/s (median)
-and the ratio sorted / unsorted, the share of padded token slots each variant feeds the encoder, and the lowest
-row-for-row cosine between the two embedding matrices (the same rows must get the same vectors).
+Every variant runs the build's own code path (`sisrl.retriever.index._encode_rows`) on the same passages, the
+same encoder, dtype and thread count, alternating a few times in one process: batches of `--batch-size` in corpus
+order (this build without sorting), the same cut from the passages sorted by token length (this build), and
+batches of `--search-r1-batch` in corpus order, each padded to its longest, as Search-R1's index build runs (its
+build_index.sh passes --batch_size 512 to index_builder.py, whose encoder pads every batch to its longest). The
+table gives passages/s (median), the ratios sorted / each unsorted variant, the share of padded token slots each
+feeds the encoder, and the lowest row-for-row cosine between the embedding matrices (same rows, same vectors).
 
     .venv/bin/python bench/encode_sort.py                      # 1,024 passages of ../shared/data's corpus
     .venv/bin/python bench/encode_sort.py --corpus wiki.jsonl --passages 4096 --threads 2
@@ -18,6 +21,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,31 +51,51 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="encoder dtype (default: auto)")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default: 64)")
     p.add_argument("--backend", default="torch", help="encoder runtime: torch | onnx | auto (default: torch)")
+    p.add_argument("--search-r1-batch", type=int, default=512,
+                   help="also time batches of this many passages in corpus order, each padded to its longest, as "
+                        "Search-R1's build_index.sh runs its index_builder (--batch_size 512); 0 = skip "
+                        "(default: 512)")
     args = p.parse_args()
+    if args.passages < 1 or args.batch_size < 1 or args.repeats < 1 or args.search_r1_batch < 0:
+        p.error(f"--passages, --batch-size and --repeats must be >= 1 and --search-r1-batch >= 0; got "
+                f"{args.passages}, {args.batch_size}, {args.repeats}, {args.search_r1_batch}")
     with args.corpus.open(encoding="utf-8") as handle:
         texts = [json.loads(line)["contents"] for line in itertools.islice(handle, args.passages)]
-    encoder = load_encoder(EncoderConfig(model=args.encoder, dtype=args.dtype, batch_size=args.batch_size,
-                                         backend=args.backend), threads=args.threads)
-    stop, seconds, vectors = threading.Event(), {True: [], False: []}, {}
-    for _, sort in itertools.product(range(args.repeats), (False, True)):
+    cfg = EncoderConfig(model=args.encoder, dtype=args.dtype, batch_size=args.batch_size, backend=args.backend)
+    encoder = load_encoder(cfg, threads=args.threads)
+    # (label, encoder, passages per _encode_rows step, length-sorted); the encoder cuts each step into forward
+    # passes of its own batch_size, so Search-R1's variant needs one whose batch is the whole step.
+    variants: list[tuple[str, Encoder, int, bool]] = [
+        (f"corpus order, batches of {args.batch_size} (this build unsorted)", encoder, args.batch_size, False),
+        (f"length-sorted, batches of {args.batch_size} (this build)", encoder, args.batch_size, True)]
+    if args.search_r1_batch:
+        wide = load_encoder(replace(cfg, batch_size=args.search_r1_batch), threads=args.threads)
+        variants.insert(1, (f"corpus order, batches of {args.search_r1_batch} (Search-R1's build_index.sh)", wide,
+                            args.search_r1_batch, False))
+    stop = threading.Event()
+    seconds: dict[str, list[float]] = {label: [] for label, *_ in variants}
+    vectors: dict[str, np.ndarray] = {}
+    for _, (label, enc, step, sort) in itertools.product(range(args.repeats), variants):
         started = time.perf_counter()
-        out = _encode_rows(encoder, texts, args.batch_size, sort, stop, lambda n: None)
-        seconds[sort].append(time.perf_counter() - started)
-        vectors[sort] = out
-    assert vectors[True] is not None and vectors[False] is not None
-    cosine = float((vectors[True] * vectors[False]).sum(axis=1).min())
-    rate = {s: len(texts) / statistics.median(v) for s, v in seconds.items()}
-    pad = {s: padding_share(encoder, texts, encoder.passage_length_order(texts) if s else np.arange(len(texts)),
-                            args.batch_size) for s in (False, True)}
+        out = _encode_rows(enc, texts, step, sort, stop, lambda n: None)
+        seconds[label].append(time.perf_counter() - started)
+        assert out is not None
+        vectors[label] = out
+    sorted_label = variants[-1][0]
+    rate = {label: len(texts) / statistics.median(v) for label, v in seconds.items()}
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, avx2={'avx2' in cpu_flags()}, "
           f"amx_bf16={'amx_bf16' in cpu_flags()}); {encoder.backend} threads {args.threads}; encoder "
-          f"{args.encoder} {encoder.dtype}; {len(texts)} passages, batch {args.batch_size}, {args.repeats} runs each")
+          f"{args.encoder} {encoder.dtype}; {len(texts)} passages, {args.repeats} runs each")
     print("| batches | passages/s (median) | padded token slots |")
     print("|---|---|---|")
-    print(f"| corpus order | {rate[False]:.2f} | {pad[False]:.1%} |")
-    print(f"| length-sorted | {rate[True]:.2f} | {pad[True]:.1%} |")
-    print(f"| **sorted / unsorted** | **{rate[True] / rate[False]:.2f}x** | |")
-    print(f"lowest row-for-row cosine, sorted vs unsorted: {cosine:.6f}")
+    for label, _, step, sort in variants:
+        order = encoder.passage_length_order(texts) if sort else np.arange(len(texts))
+        print(f"| {label} | {rate[label]:.2f} | {padding_share(encoder, texts, order, step):.1%} |")
+    for label, *_ in variants[:-1]:
+        print(f"| **sorted / {label.split(' (')[0]}** | **{rate[sorted_label] / rate[label]:.2f}x** | |")
+    for label, *_ in variants[:-1]:
+        cosine = float((vectors[sorted_label] * vectors[label]).sum(axis=1).min())
+        print(f"lowest row-for-row cosine, sorted vs {label.split(' (')[0]}: {cosine:.6f}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ if wanted demo; then
 fi
 if wanted encode_sort; then
     step encode_sort $py bench/encode_sort.py
-    keep encode_sort '^\||^CPU|passages'
+    keep encode_sort '^\||^CPU|passages|cosine'
 fi
 if wanted retriever; then
     # the bench's 3,000-passage index, built with the defaults (dtype and backend `auto`)

@@ -1,0 +1,100 @@
+"""The option tables of docs/retriever.md and docs/gateway.md against the CLIs' own parsers.
+
+Every flag a table names exists, every flag a parser has is in its table (an alias counts through its
+option), and each default a table gives is the one the parser's help prints. Defaults that are prose ("from
+manifest", "the model") only have to be unset in the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from sisrl.retriever.cli import make_parser
+from sisrl.services.cli import build_parser
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise AssertionError(f"{parser.prog} has no subcommands")
+
+
+def _section(doc: str, start: str, end: str) -> str:
+    text = (DOCS / doc).read_text(encoding="utf-8")
+    a = text.index(start)
+    return text[a:text.index(end, a + len(start))]
+
+
+def _table(text: str) -> list[tuple[list[str], str]]:
+    """(flags, default cell) of each `| `--flag` | default | meaning |` row."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.append((re.findall(r"`(--[a-z0-9-]+)`", cells[0]), cells[1]))
+    return rows
+
+
+def _help_default(action: argparse.Action) -> str:
+    """What the help prints after `default:` (common/cli.py), or `required`."""
+    found = re.search(r"\((required|default: ([^()]*?))(; env [A-Z0-9_]+)?\)$", action.help or "")
+    assert found, f"{action.option_strings}: help {action.help!r} names no default"
+    return "required" if found.group(1) == "required" else found.group(2)
+
+
+def _same(doc: str, code: str) -> bool:
+    value = doc.strip("`")
+    if doc in ("on", "off"):
+        return code == str(doc == "on")
+    if (size := re.fullmatch(r"(\d+) MiB", doc)) is not None:
+        return code == str(int(size.group(1)) * 2**20)
+    if doc.startswith("`") or re.fullmatch(r"[0-9.]+", doc) or doc == "required":
+        try:
+            return float(value) == float(code)
+        except ValueError:
+            return value == code
+    return code in ("unset", "")  # prose: "none", "unset", "empty", "from manifest", "the model"
+
+
+CASES = {
+    "retriever build": ("retriever.md", "## Build", "## Serve", lambda: _subcommand(make_parser(), "build")),
+    "retriever serve": ("retriever.md", "## Serve", "### API", lambda: _subcommand(make_parser(), "serve")),
+    "gateway serve": ("gateway.md", "## Running it", "## Several gateways", lambda: _subcommand(build_parser(),
+                                                                                                 "serve")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_option_tables_match_the_parsers(case: str) -> None:
+    doc, start, end, make = CASES[case]
+    parser = make()
+    actions = {flag: a for a in parser._actions for flag in a.option_strings if flag.startswith("--")}
+    rows = _table(_section(doc, start, end))
+    assert rows, f"docs/{doc} {start!r}: no option table found"
+    documented = {flag for flags, _ in rows for flag in flags}
+    assert not documented - set(actions), f"docs/{doc} {start!r} names flags {case} does not have"
+    missing = sorted({a.option_strings[0] for a in actions.values()
+                      if a.option_strings[0] != "-h" and not documented & set(a.option_strings)})
+    assert not missing, f"docs/{doc} {start!r}: {case} flags without a row: {missing}"
+    wrong = []
+    for flags, cell in rows:
+        named = [f for f in flags if not f.startswith("--no-")]
+        defaults = [d.strip() for d in re.split(r",\s*|\s+/\s+", cell)]
+        if len(defaults) == 1:  # one cell for the whole row ("model's prompts")
+            defaults *= len(named)
+        assert len(defaults) == len(named), f"docs/{doc}: row {flags} gives {len(defaults)} defaults: {cell!r}"
+        for flag, default in zip(named, defaults, strict=True):
+            if not _same(default, code := _help_default(actions[flag])):
+                wrong.append(f"{flag}: docs {default!r}, code {code!r}")
+    assert not wrong, f"docs/{doc} {start!r} defaults differ from {case}: {wrong}"
+
+
+def test_a_wrong_default_is_caught() -> None:
+    assert _same("`64`", "64") and _same("8 MiB", "8388608") and _same("off", "False") and _same("unset", "unset")
+    assert not _same("`32`", "64") and not _same("on", "False") and not _same("none", "8000")

@@ -1,8 +1,9 @@
-"""The option tables of docs/retriever.md and docs/gateway.md against the CLIs' own parsers.
+"""The option tables of the docs against the code they describe.
 
-Every flag a table names exists, every flag a parser has is in its table (an alias counts through its
-option), and each default a table gives is the one the parser's help prints. Defaults that are prose ("from
-manifest", "the model") only have to be unset in the code.
+docs/retriever.md and docs/gateway.md against the CLIs' own parsers: every flag a table names exists, every flag
+a parser has is in its table (an alias counts through its option), and each default a table gives is the one the
+parser's help prints; defaults that are prose ("from manifest", "the model") only have to be unset in the code.
+docs/trainer.md's knob table is `sisrl-train config`'s, row for row.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 from sisrl.retriever.cli import make_parser
 from sisrl.services.cli import build_parser
+from sisrl.trainer.cli import main as train_main
+from sisrl.trainer.config import describe_fields
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -98,3 +101,16 @@ def test_option_tables_match_the_parsers(case: str) -> None:
 def test_a_wrong_default_is_caught() -> None:
     assert _same("`64`", "64") and _same("8 MiB", "8388608") and _same("off", "False") and _same("unset", "unset")
     assert not _same("`32`", "64") and not _same("on", "False") and not _same("none", "8000")
+
+
+def test_the_trainer_knob_table_is_sisrl_train_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert train_main(["config", "--markdown"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("| key | default | description |") and printed in (DOCS / "trainer.md").read_text()
+    rows = []
+    for line in _section("trainer.md", "## Configuration knobs", "\n## ").splitlines():
+        if line.startswith("| `"):
+            key, default, description = (c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1])
+            rows.append((key.strip("`"), default.strip("`"), description.replace("\\|", "|")))
+    assert rows == describe_fields(), (
+        "docs/trainer.md's knob table differs from the config: replace it with `sisrl-train config --markdown`")

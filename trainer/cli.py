@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
     c = sub.add_parser("config", help="list every config knob with its default and description", formatter_class=fmt)
     c.add_argument("--config", type=Path, default=None, help="show this file's values instead of the defaults")
+    c.add_argument("--markdown", action="store_true", help="print the table as docs/trainer.md has it")
     return parser
 
 
@@ -128,6 +129,11 @@ def _config(args: argparse.Namespace) -> int:
     if args.config is not None:
         dumped = load_config(args.config).model_dump()
         rows = [(key, repr(_lookup(dumped, key)), desc) for key, _, desc in rows]
+    if args.markdown:
+        print("| key | default | description |\n|---|---|---|")
+        for key, value, desc in rows:
+            print(f"| `{key}` | `{value}` | {desc.replace('|', chr(92) + '|')} |")
+        return 0
     width = max(len(k) for k, _, _ in rows)
     for key, value, desc in rows:
         print(f"{key:{width}s}  {value:24s}  {desc}")

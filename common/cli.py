@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, SecretStr, ValidationError
 
 _SCALARS: dict[Any, type] = {int: int, float: float, str: str, Path: Path, bool: bool, SecretStr: str}
 
@@ -97,3 +97,20 @@ def given(args: argparse.Namespace, options: Iterable[Option], *, strip_prefix: 
         if dest in values:
             out[dest.removeprefix(strip_prefix)] = values[dest]
     return out
+
+
+def flag_problems(exc: ValidationError) -> str:
+    """A settings model's validation errors as one line naming each flag and the value it was given:
+    `--port: Input should be less than or equal to 65535 (got 70000)`."""
+    problems = []
+    for err in exc.errors():
+        if not err["loc"]:
+            problems.append(err["msg"])
+            continue
+        name = str(err["loc"][0])
+        flag = "--" + name.replace("_", "-")
+        secret = any(word in name for word in ("token", "key", "password", "secret"))  # never echoed
+        shown = "input" in err and not isinstance(err["input"], dict) and not secret  # a dict: the whole model
+        got = f" (got {err['input']!r})" if shown else ""
+        problems.append(f"{flag}: {err['msg']}{got}")
+    return "; ".join(problems)

@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
-from sisrl.common.cli import Option, add_options, field_options, given
+from sisrl.common.cli import Option, add_options, field_options, flag_problems, given
 from sisrl.retriever.encoder import EncoderConfig
 
 logger = logging.getLogger("sisrl.retriever.cli")
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return commands[args.command](args)
     except ValidationError as exc:
-        parser.exit(2, f"sisrl-retriever {args.command}: invalid option(s):\n{exc}\n")
+        parser.exit(2, f"sisrl-retriever {args.command}: error: {flag_problems(exc)}\n")
     except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"sisrl-retriever {args.command}: error: {exc}\n")
 

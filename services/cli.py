@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pydantic import ValidationError
-from sisrl.common.cli import add_options, field_options, given
+from sisrl.common.cli import add_options, field_options, flag_problems, given
 from sisrl.services.settings import GatewaySettings
 
 _ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # the short names of the command
@@ -25,11 +25,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     try:
         return GatewaySettings(**given(args, field_options(GatewaySettings)))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}" if err["loc"] else err["msg"]
-            for err in exc.errors()
-        )
-        parser.error(problems)
+        parser.error(flag_problems(exc))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, Field
-from sisrl.common.cli import add_options, field_options, given
+from pydantic import BaseModel, Field, SecretStr, ValidationError
+from sisrl.common.cli import add_options, field_options, flag_problems, given
 
 
 class Model(BaseModel):
@@ -61,3 +61,19 @@ def test_a_dataclass_field_without_help_is_an_error() -> None:
 
     with pytest.raises(ValueError, match=r"Bare\.n: a CLI field needs metadata"):
         field_options(Bare)
+
+
+class Limits(BaseModel):
+    port: int = Field(ge=1, le=65535, description="port")
+    api_token: SecretStr | None = Field(default=None, min_length=8, description="token")
+
+
+def test_flag_problems_name_each_flag_and_its_value_but_never_a_secret() -> None:
+    with pytest.raises(ValidationError) as bad:
+        Limits(port=70000, api_token="hunter2")  # type: ignore[arg-type]
+    line = flag_problems(bad.value)
+    assert line.startswith("--port: Input should be less than or equal to 65535 (got 70000); --api-token: ")
+    assert "hunter2" not in line and "\n" not in line
+    with pytest.raises(ValidationError) as missing:
+        Limits()  # type: ignore[call-arg]
+    assert flag_problems(missing.value) == "--port: Field required"

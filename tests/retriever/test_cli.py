@@ -46,7 +46,7 @@ def test_unknown_option_is_named(capsys: pytest.CaptureFixture[str], tmp_path: P
     ("argv", "needle"),
     [(["build", "--corpus", "c.jsonl", "--out", "o", "--index", "lsh"], "unknown index type 'lsh'"),
      (["build", "--corpus", "c.jsonl", "--out", "o", "--shard-size", "many"], "--shard-size: invalid int value"),
-     (["serve", "--index", "i", "--port", "70000"], "port"),
+     (["serve", "--index", "i", "--port", "70000"], "error: --port: Input should be less than or equal to 65535 (got 70000)"),
      (["serve", "--index", "i", "--dtype", "int4"], "unknown dtype 'int4'"),
      (["eval", "--questions", "q.jsonl"], "exactly one of --index DIR or --url URL")],
 )

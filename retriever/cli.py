@@ -103,12 +103,13 @@ def _progress(total: int, done: int) -> Callable[[int], None]:
 def run_build(args: argparse.Namespace) -> int:
     from sisrl.retriever.encoder import load_encoder
     from sisrl.retriever.index import BuildConfig, build_index
+    from sisrl.retriever.preflight import check_build
 
     names = {f.name for f in dataclasses.fields(BuildConfig)}
     cfg = BuildConfig(**{k: v for k, v in vars(args).items() if k in names})
+    check_build(cfg.corpus, cfg.out)  # before the encoder loads (seconds)
     stop = _stop_on_signals()
-    size = cfg.corpus.stat().st_size if cfg.corpus.is_file() else None
-    encoder = load_encoder(_encoder_config(args), corpus_bytes=size)
+    encoder = load_encoder(_encoder_config(args), corpus_bytes=cfg.corpus.stat().st_size)
     result = build_index(cfg, encoder, stop=stop, progress=_progress)
     if result.stopped:
         print(f"stopped: {result.shards_done}/{result.shards_total} shards saved in {cfg.out}; "

@@ -1,6 +1,7 @@
 """What `sisrl-retriever serve` checks before it loads an encoder: that there is an index to serve, or a corpus to
-build one from and a place it may write it. Each problem is named in one line that says what to do, instead of
-a traceback after the model has loaded (in a container under a restart policy: a crash loop).
+build one from and a place it may write it (and `build`: its corpus and its output directory). Each problem is
+named in one line that says what to do, instead of a traceback after the model has loaded (in a container under a
+restart policy: a crash loop).
 
 Inside the Docker image (Dockerfile) the server runs as uid 1000 and `/data` is the bind mount of the host's
 `./data` (docker-compose.yml); paths under it get the host-side hint.
@@ -31,11 +32,24 @@ def check_serve(index: Path, corpus: Path | None) -> None:
         raise PreflightError("; ".join(found) + _hint(corpus))
 
 
+def check_build(corpus: Path, out: Path) -> None:
+    """`build`'s check before the encoder loads: `corpus` a readable non-empty file, `out` writable."""
+    found = [p for p in (_readable(corpus), _unwritable(out)) if p]
+    if found:
+        raise PreflightError("; ".join(found))
+
+
 def _corpus_problem(index: Path, corpus: Path | None) -> str | None:
     if corpus is None:
         return f"no index in {index} and no --corpus to build one from"
     if not corpus.is_file():
         return f"no index in {index} and no corpus at {corpus} to build one from"
+    return _readable(corpus)
+
+
+def _readable(corpus: Path) -> str | None:
+    if not corpus.is_file():
+        return f"no corpus file at {corpus} (JSONL, {CORPUS_FORMAT})"
     if not os.access(corpus, os.R_OK):
         return f"corpus {corpus} is not readable by uid {os.getuid()} (owner: uid {corpus.stat().st_uid})"
     if corpus.stat().st_size == 0:

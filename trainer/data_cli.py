@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import httpx
+from sisrl.common.cli import DefaultsHelp
 from sisrl.trainer.data import load_items, write_items
 from sisrl.trainer.demo_data import write_demo_data
 
@@ -83,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sisrl-data", description="Prepare question data for sisrl-train.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="NQ + HotpotQA (FlashRAG) -> JSONL {id, question, golden_answers, data_source}",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelp)
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--datasets", nargs="+", choices=sorted(SPLITS), default=sorted(SPLITS), help="which data sets")
     p.add_argument("--from-dir", type=Path, default=None, help="local FlashRAG folder (DIR/nq/train.jsonl, ...) instead of the hub")
     p.add_argument("--limit", type=int, default=None, help="keep at most this many rows per split")
     d = sub.add_parser("demo", help="write the fictional demo corpus and questions",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelp)
     d.add_argument("--out", type=Path, required=True, help="output folder")
     d.add_argument("--seed", type=int, default=0, help="generator seed")
     return parser

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, Field, SecretStr, ValidationError
-from sisrl.common.cli import add_options, field_options, flag_problems, given
+from sisrl.common.cli import DefaultsHelp, add_options, field_options, flag_problems, given
 
 
 class Model(BaseModel):
@@ -77,3 +77,11 @@ def test_flag_problems_name_each_flag_and_its_value_but_never_a_secret() -> None
     with pytest.raises(ValidationError) as missing:
         Limits()  # type: ignore[call-arg]
     assert flag_problems(missing.value) == "--port: Field required"
+
+
+def test_help_says_required_instead_of_a_none_default() -> None:
+    parser = argparse.ArgumentParser(prog="t", formatter_class=DefaultsHelp)
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--limit", type=int, default=3, help="at most")
+    text = " ".join(parser.format_help().split())
+    assert "output folder (required)" in text and "at most (default: 3)" in text and "None" not in text

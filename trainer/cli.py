@@ -160,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"sisrl-train {args.command}: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from sisrl.trainer.gateway_client import GatewayError  # imported here: it pulls in torch
+
+        if not isinstance(err, GatewayError):
+            raise
+        print(f"sisrl-train {args.command}: {err}", file=sys.stderr)  # gateway down or refusing: one line
+        return 1
 
 
 if __name__ == "__main__":

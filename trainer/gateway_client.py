@@ -51,6 +51,14 @@ class GatewayClient:
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/health")
 
+    def check_reachable(self) -> None:
+        """One `GET /health`; a GatewayError naming the URL and what to do when nothing answers there."""
+        try:
+            self.http.get("/health", timeout=10.0)
+        except httpx.HTTPError as err:
+            raise GatewayError(f"no rollout gateway answers at {self.http.base_url} ({err}): start one "
+                               "(`sisrl-gateway serve`, docs/gateway.md) or set rollout.gateway_url to its URL") from err
+
     def submit(self, *, run: str, step: int, policy_version: int, items: list[QAItem], cfg: RolloutConfig,
                k: int, seed: int) -> str:
         body = {

@@ -116,6 +116,12 @@ def setup(cfg: TrainConfig) -> Session:
     if cfg.rollout.source == "gateway" and not cfg.data.train:
         raise ConfigError("data.train: training through the gateway needs at least one question file")
     ctx = init_distributed(cfg.distributed, cfg.device)
+    if cfg.rollout.source == "gateway" and ctx.is_main:  # before the model loads: a missing gateway is named at once
+        probe = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token)
+        try:
+            probe.check_reachable()
+        finally:
+            probe.close()
     seed_everything(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path(cfg.run_dir)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed, device=ctx.device)

@@ -4,7 +4,8 @@
 # machine would have it:
 #   1. the test suite (pytest, `--durations=15`; the E5 recall index built afresh: SISRL_TEST_E5_CACHE=0);
 #   2. the demo (`python -m sisrl.trainer.demo`: model conversions, index, warm start, RL and evals);
-#   3. index build speed with and without length sorting (bench/encode_sort.py);
+#   3. index build speed with and without length sorting, and in Search-R1's batches of 512 (bench/encode_sort.py
+#      on 512 passages, 2 runs each: ~6 minutes on the AVX2-only EPYC, where 1,024 x 3 would take ~19);
 #   4. the retriever against the Search-R1 baseline, workloads (a)-(d) (bench/retriever.py, 30 s each).
 # Run it on an otherwise idle machine after `make install`; ~35-45 minutes on a 2-core AVX2-only EPYC.
 #   bench/machine_report.sh [OUT]      # default OUT: runs/machine-report-<UTC date and time>
@@ -76,7 +77,7 @@ if wanted demo; then
     keep demo '^(stage|before|after_sft|after_rl|train reward|checkpoint|CPU)'
 fi
 if wanted encode_sort; then
-    step encode_sort $py bench/encode_sort.py
+    step encode_sort $py bench/encode_sort.py --passages 512 --repeats 2
     keep encode_sort '^\||^CPU|passages|cosine'
 fi
 if wanted retriever; then

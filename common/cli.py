@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -113,8 +114,10 @@ def flag_problems(exc: ValidationError) -> str:
     `--port: Input should be less than or equal to 65535 (got 70000)`."""
     problems = []
     for err in exc.errors():
-        if not err["loc"]:
-            problems.append(err["msg"])
+        if not err["loc"]:  # a model-level check; by this project's convention its message starts `field: `
+            msg = err["msg"].removeprefix("Value error, ")
+            named = re.match(r"([a-z][a-z0-9_]*): ", msg)
+            problems.append(f"--{named.group(1).replace('_', '-')}: {msg[named.end():]}" if named else msg)
             continue
         name = str(err["loc"][0])
         flag = "--" + name.replace("_", "-")

@@ -26,7 +26,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.gateway = await open_state(settings, clock=clock, metrics=metrics)
+        try:
+            app.state.gateway = await open_state(settings, clock=clock, metrics=metrics)
+        except Exception as exc:  # one line with the cause before uvicorn's traceback ("startup failed")
+            logging.getLogger("sisrl.services.app").error("cannot start the gateway: %s",
+                                                          " ".join(str(exc).split()) or type(exc).__name__)
+            raise
         try:
             yield
         finally:

@@ -83,6 +83,10 @@ class GatewaySettings(BaseSettings):
             raise ValueError(f"dtype: unknown dtype {self.dtype!r}, expected one of {DTYPE_NAMES}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine: unknown engine {self.engine!r}, expected one of {ENGINES}")
+        loads_here = not self.store_only and (self.engine in ("local", "vllm") or self.script_base == "local")
+        if loads_here and self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
+            raise ValueError(f"model: no such directory {self.model!r} (give a Hugging Face model directory, the "
+                             f"offline alias 'smollm2-135m-instruct', or a hub id)")
         if self.engine == "vllm-http" and not self.engine_url and not self.store_only:  # store-only: no engine
             raise ValueError("engine_url: required with engine 'vllm-http' (e.g. http://127.0.0.1:8001)")
         if self.script_base not in (None, "local", "vllm-http"):

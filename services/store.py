@@ -39,7 +39,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -140,13 +140,23 @@ def open_db(url: str) -> sessionmaker[Session]:
     engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_pragmas)
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            # Replicas starting together would race on CREATE TABLE; PostgreSQL's DDL is transactional, so the
-            # lock (released at commit) makes the second one find the tables made by the first.
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
-        Base.metadata.create_all(conn)
+    try:
+        with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # Replicas starting together would race on CREATE TABLE; PostgreSQL's DDL is transactional, so the
+                # lock (released at commit) makes the second one find the tables made by the first.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
+            Base.metadata.create_all(conn)
+    except OperationalError as exc:  # no server, refused login, unwritable file: name the store, not the stack
+        engine.dispose()
+        reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
+        raise StoreUnavailable(f"cannot open the rollout store {engine.url.render_as_string(hide_password=True)}: "
+                               f"{reason}") from exc
     return sessionmaker(engine, expire_on_commit=False)
+
+
+class StoreUnavailable(RuntimeError):
+    """`open_db` could not reach or create the store; the message names it (password hidden) and the reason."""
 
 
 _SCHEMA_LOCK = int.from_bytes(hashlib.sha256(b"sisrl-schema").digest()[:8], "big") >> 1

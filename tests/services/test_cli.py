@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from sisrl.common.procs import free_port
 from sisrl.services.cli import build_parser, main
 from sisrl.services.settings import GatewaySettings
 
@@ -24,7 +29,8 @@ def test_help_lists_every_option_with_default(capsys: pytest.CaptureFixture[str]
         (["serve", "--port", "x"], "argument --port: invalid int value: 'x'"),
         (["serve", "--format-weight", "2"], "--format-weight: Input should be less than or equal to 1"),
         (["serve", "--engine", "foo"], "unknown engine 'foo', expected one of"),
-        (["serve", "--engine", "vllm-http"], "engine_url: required with engine 'vllm-http'"),
+        (["serve", "--engine", "vllm-http"], "error: --engine-url: required with engine 'vllm-http'"),
+        (["serve", "--model", "/no/such/policy"], "error: --model: no such directory '/no/such/policy' (give a"),
         (["serve", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -43,3 +49,18 @@ def test_env_fills_unset_options(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
     settings = settings_from_args(parser.parse_args(["serve", "--port", "9001"]), parser)
     assert (settings.topk, settings.port, settings.engine) == (7, 9001, "local")
+
+
+def test_a_model_path_is_only_checked_where_it_is_loaded() -> None:
+    served = GatewaySettings(engine="vllm-http", engine_url="http://127.0.0.1:8001", model="/models/on/the/server")
+    assert served.model == "/models/on/the/server"  # the vLLM server's own path, not this machine's
+    assert GatewaySettings(store_only=True, model="/elsewhere").store_only  # store-only loads no model
+
+
+def test_a_store_it_cannot_open_stops_the_gateway_with_its_reason(tmp_path: Path) -> None:
+    db = tmp_path / "missing" / "x.db"
+    done = subprocess.run([sys.executable, "-m", "sisrl.services.cli", "serve", "--store-only", "--port", str(free_port()),
+                           "--db-url", f"sqlite:///{db}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot start the gateway: cannot open the rollout store sqlite:///{db}: unable to open database file" \
+        in done.stderr, done.stderr[-2000:]

@@ -207,3 +207,18 @@ def test_lock_keys_are_stable_non_negative_bigints() -> None:
     keys = {claims.lock_key(f"batch-{i}") for i in range(1000)}
     assert len(keys) == 1000 and all(0 <= k < 2**63 for k in keys)
     assert claims.lock_key("b1") == claims.lock_key("b1")
+
+
+def test_an_unreachable_store_is_named_without_its_password(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    with pytest.raises(store.StoreUnavailable) as refused:
+        store.open_db(f"postgresql+psycopg://sisrl:hunter22@127.0.0.1:{port}/rollouts")
+    text = str(refused.value)
+    assert text.startswith(f"cannot open the rollout store postgresql+psycopg://sisrl:***@127.0.0.1:{port}/rollouts: ")
+    assert "hunter22" not in text and "\n" not in text
+    with pytest.raises(store.StoreUnavailable, match="unable to open database file"):
+        store.open_db(f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}")

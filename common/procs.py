@@ -44,6 +44,22 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why a server could not bind `host:port` now (one line), or None; checked before a model loads, so a busy
+    port costs a second, not the load. Port 0 (the OS picks) always binds. SO_REUSEADDR as uvicorn sets it, so a
+    port in TIME_WAIT counts as free, as it is for the server."""
+    if port == 0:
+        return None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return f"--port: cannot listen on {host}:{port} ({exc.strerror or exc}); stop what uses it or pick another port"
+    return None
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Treat SIGTERM like Ctrl-C (KeyboardInterrupt) so `finally` blocks stop services and close files."""

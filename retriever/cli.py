@@ -122,6 +122,7 @@ def run_build(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from sisrl.common.http import configure_logging
+    from sisrl.common.procs import port_problem
     from sisrl.retriever.app import create_app
     from sisrl.retriever.manifest import MANIFEST_FILE
     from sisrl.retriever.preflight import check_serve
@@ -136,6 +137,8 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = Settings(**values)
     configure_logging(settings.log_level)  # one JSON line per record, with the request id (sisrl.common.http)
     corpus: Path | None = getattr(args, "corpus", None)
+    if (busy := port_problem(settings.host, settings.port)) is not None:
+        raise ValueError(busy)  # before the encoder loads (or a build from --corpus runs)
     check_serve(settings.index, corpus)  # before any model loads: one line instead of a traceback (preflight.py)
     if corpus is not None and not (settings.index / MANIFEST_FILE).is_file():
         print(f"no index in {settings.index}: building one from {corpus}", file=sys.stderr)

@@ -7,6 +7,7 @@ import sys
 
 from pydantic import ValidationError
 from sisrl.common.cli import add_options, field_options, flag_problems, given
+from sisrl.common.procs import port_problem
 from sisrl.services.settings import GatewaySettings
 
 _ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # the short names of the command
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     settings = settings_from_args(args, parser)
+    if (busy := port_problem(settings.host, settings.port)) is not None:
+        parser.error(busy)  # before the policy loads
     import uvicorn
     from sisrl.common.http import configure_logging
     from sisrl.services.app import create_app

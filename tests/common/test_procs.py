@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from sisrl.common.procs import free_port, launch, peak_rss_bytes, wait_healthy
+from sisrl.common.procs import free_port, launch, peak_rss_bytes, port_problem, wait_healthy
 
 # Answers GET /health with 200 and GET /env/NAME with that variable (404 when unset).
 SERVER = """
@@ -63,3 +64,14 @@ def test_a_child_reports_its_own_peak_not_its_parents() -> None:
     del ballast
     assert own < 200 * 2**20, own
     assert inherited >= 400 * 2**20, "ru_maxrss no longer inherits the parent's peak: this test shows nothing"
+
+
+def test_port_problem_names_a_busy_port_and_passes_a_free_one() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        busy = listener.getsockname()[1]
+        problem = port_problem("127.0.0.1", busy)
+        assert problem is not None and problem.startswith(f"--port: cannot listen on 127.0.0.1:{busy} (")
+    assert port_problem("127.0.0.1", busy) is None  # closed again: free
+    assert port_problem("127.0.0.1", free_port()) is None and port_problem("127.0.0.1", 0) is None

@@ -55,8 +55,9 @@ def port_problem(host: str, port: int) -> str | None:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-    except OSError as exc:
-        return f"--port: cannot listen on {host}:{port} ({exc.strerror or exc}); stop what uses it or pick another port"
+    except (OSError, OverflowError) as exc:  # OverflowError: a port beyond 65535
+        reason = getattr(exc, "strerror", None) or exc
+        return f"--port: cannot listen on {host}:{port} ({reason}); stop what uses it or pick another port"
     return None
 
 

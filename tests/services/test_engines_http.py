@@ -467,3 +467,18 @@ def test_gateway_settings_reach_the_vllm_http_engine() -> None:
     asyncio.run(engine.close())
     with pytest.raises(ValueError, match="starting with '/'"):
         GatewaySettings(engine="vllm-http", engine_url="http://x", engine_after_weights_routes="reset")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--port", "70000"], "error: port must be <= 65535, got 70000"),
+    (["--model", "/no/such/policy"], "error: model: no such directory '/no/such/policy'"),
+    (["--max-batch-size", "0"], "error: max_batch_size must be >= 1, got 0"),
+])
+def test_policy_server_bad_options_are_one_line(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from sisrl.services.engines.openai_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err

@@ -9,6 +9,7 @@ import uvicorn
 from pydantic import SecretStr
 from sisrl.common.cli import add_options, field_options, given
 from sisrl.common.http import configure_logging
+from sisrl.common.procs import port_problem
 from sisrl.services.engines.openai_server.app import create_app
 from sisrl.services.engines.openai_server.settings import TOKEN_ENV, ServerSettings
 
@@ -24,10 +25,14 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
     args = given(parser.parse_args(argv), options)
     try:
         token = os.environ.get(TOKEN_ENV)
-        return ServerSettings(**args, api_token=SecretStr(token) if token else None)
+        settings = ServerSettings(**args, api_token=SecretStr(token) if token else None)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+    else:
+        if (busy := port_problem(settings.host, settings.port)) is not None:
+            parser.error(busy)  # before the policy loads
+        return settings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ openai_server.cli`), validated at construction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import SecretStr
 from sisrl.common.wire import ENGINE_PORT
@@ -43,6 +44,11 @@ class ServerSettings:
         for name in ("port", "max_batch_size", "max_logprobs", "max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.port > 65535:
+            raise ValueError(f"port must be <= 65535, got {self.port}")
+        if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
+            raise ValueError(f"model: no such directory {self.model!r} (give a Hugging Face model directory or the "
+                             f"offline alias 'smollm2-135m-instruct')")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

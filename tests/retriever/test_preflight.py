@@ -3,11 +3,13 @@ line that says what to do, before it loads an encoder (retriever/preflight.py); 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,9 @@ def test_empty_corpus_is_named(tmp_path: Path) -> None:
     assert f"corpus {tmp_path / 'c.jsonl'} is empty" in _serve_refused(tmp_path / "index", tmp_path / "c.jsonl")
 
 
-def test_unwritable_index_directory_is_one_line(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _read_only_dir_with_a_corpus(tmp_path: Path) -> Iterator[Path]:
+    """`tmp_path/ro` holding `c.jsonl`, mode 555 while the block runs; skips where root cannot be held to modes."""
     if os.getuid() == 0 and shutil.which("setpriv") is None:
         pytest.skip("running as root without util-linux's setpriv to drop the capability that ignores modes")
     root = tmp_path / "ro"
@@ -62,9 +66,14 @@ def test_unwritable_index_directory_is_one_line(tmp_path: Path) -> None:
     (root / "c.jsonl").write_text('{"id": "0", "contents": "\\"A\\"\\nb"}\n')
     root.chmod(0o555)
     try:
-        line = _serve_refused(root / "index", root / "c.jsonl", AS_PLAIN_USER if os.getuid() == 0 else None)
+        yield root
     finally:
         root.chmod(0o755)
+
+
+def test_unwritable_index_directory_is_one_line(tmp_path: Path) -> None:
+    with _read_only_dir_with_a_corpus(tmp_path) as root:
+        line = _serve_refused(root / "index", root / "c.jsonl", AS_PLAIN_USER if os.getuid() == 0 else None)
     uid = os.getuid()
     assert f"cannot write the index to {root / 'index'}: {root} is not writable by uid {uid} (owner: uid {uid})" in line
 
@@ -92,15 +101,7 @@ def test_build_names_a_missing_corpus_and_an_unwritable_out_before_any_model(tmp
     missing = tmp_path / "missing.jsonl"
     line = _refused([*CLI, "build", "--corpus", str(missing), "--out", str(tmp_path / "idx")], tmp_path / "idx", None)
     assert line.endswith(f'no corpus file at {missing} (JSONL, {{"id", "contents"}} per line)')
-    if os.getuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("running as root without util-linux's setpriv to drop the capability that ignores modes")
-    root = tmp_path / "ro"
-    root.mkdir()
-    (root / "c.jsonl").write_text('{"id": "0", "contents": "a"}\n')
-    root.chmod(0o555)
-    try:
+    with _read_only_dir_with_a_corpus(tmp_path) as root:
         line = _refused([*CLI, "build", "--corpus", str(root / "c.jsonl"), "--out", str(root / "idx")], root / "idx",
                         AS_PLAIN_USER if os.getuid() == 0 else None)
-    finally:
-        root.chmod(0o755)
     assert f"cannot write the index to {root / 'idx'}: {root} is not writable by uid {os.getuid()}" in line

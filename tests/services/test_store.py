@@ -210,11 +210,9 @@ def test_lock_keys_are_stable_non_negative_bigints() -> None:
 
 
 def test_an_unreachable_store_is_named_without_its_password(tmp_path: Path) -> None:
-    import socket
+    from sisrl.common.procs import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    port = free_port()  # nothing listens there
     with pytest.raises(store.StoreUnavailable) as refused:
         store.open_db(f"postgresql+psycopg://sisrl:hunter22@127.0.0.1:{port}/rollouts")
     text = str(refused.value)

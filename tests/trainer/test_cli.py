@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
+from sisrl.common.procs import free_port
 from sisrl.trainer.cli import main
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])  # nothing listens there once the socket is closed
 
 
 def test_train_without_a_gateway_is_one_line_before_the_model_loads(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"id": "q1", "question": "who?", "golden_answers": ["x"]}\n')
-    url = f"http://127.0.0.1:{_closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
     code = main(["train", "--set", f"run_dir={tmp_path / 'run'}", "--set", f"rollout.gateway_url={url}",
                  "--set", f"data.train=[{{path: {questions}}}]", "--set", "progress=false"])

@@ -81,7 +81,8 @@ def test_option_tables_match_the_parsers(case: str) -> None:
     rows = _table(_section(doc, start, end))
     assert rows, f"docs/{doc} {start!r}: no option table found"
     documented = {flag for flags, _ in rows for flag in flags}
-    assert not documented - set(actions), f"docs/{doc} {start!r} names flags {case} does not have"
+    unknown = sorted(documented - set(actions))
+    assert not unknown, f"docs/{doc} {start!r} names flags {case} does not have: {unknown}"
     missing = sorted({a.option_strings[0] for a in actions.values()
                       if a.option_strings[0] != "-h" and not documented & set(a.option_strings)})
     assert not missing, f"docs/{doc} {start!r}: {case} flags without a row: {missing}"

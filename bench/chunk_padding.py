@@ -1,9 +1,10 @@
 """How much of a coalesced batch's encoder work is padding, by how the service cuts it into worker chunks: halves
 by count (the cut before `service.balanced_chunks`), length-balanced chunks, the same chunks packed without
-padding (what retriever/traced.py does with a chunk of at most PACK_TOKENS tokens), and the unpadded ideal (each
-worker gets an equal share of the batch's real tokens). Counts e5 tokens (query prefix included) over batches drawn
-from the retriever bench's shuffled question pool, as 8 one-query clients (workload (c)) send them. No timing:
-token counts, so it runs in seconds on any machine.
+padding (what retriever/traced.py does with a chunk of at most PACK_TOKENS tokens), the cut the service makes for
+such an encoder (`service.worker_chunks`: chunks of about equal total length where that is cheaper), and the
+unpadded ideal (each worker gets an equal share of the batch's real tokens). Counts e5 tokens (query prefix
+included) over batches drawn from the retriever bench's shuffled question pool, as 8 one-query clients (workload
+(c)) send them. No timing: token counts, so it runs in seconds on any machine.
 
     .venv/bin/python bench/chunk_padding.py [--batches 500] [--batch 8] [--workers 2]
 """
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from sisrl.retriever.encoder import resolve_model
-from sisrl.retriever.service import ROW_CHARS, balanced_chunks
+from sisrl.retriever.service import PACK_CHARS_PER_TOKEN, ROW_CHARS, balanced_chunks, worker_chunks
 from sisrl.retriever.traced import PACK_TOKENS
 from transformers import AutoTokenizer
 
@@ -37,23 +38,27 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.encoder))
     size = -(-args.batch // args.workers)
     real = 0
-    padded = {"halves": 0, "balanced": 0, "balanced, packed": 0}
-    slowest: dict[str, list[float]] = {"halves": [], "balanced": [], "balanced, packed": [], "unpadded ideal": []}
+    padded = {"halves": 0, "balanced": 0, "balanced, packed": 0, "by totals, packed": 0}
+    slowest: dict[str, list[float]] = {"halves": [], "balanced": [], "balanced, packed": [], "by totals, packed": [],
+                                       "unpadded ideal": []}
     for _ in range(args.batches):
         batch = pool.take(args.batch)
         tokens = [len(ids) for ids in tokenizer(["query: " + q for q in batch])["input_ids"]]
         real += sum(tokens)
+        chars = [len(q) + ROW_CHARS for q in batch]
         cuts = {"halves": [list(range(a, min(a + size, len(batch)))) for a in range(0, len(batch), size)],
-                "balanced": balanced_chunks([len(q) + ROW_CHARS for q in batch], args.workers)}
+                "balanced": balanced_chunks(chars, args.workers)}
         for name, chunks in cuts.items():
             costs = [len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]  # each pads to its longest
             padded[name] += sum(costs)
             slowest[name].append(max(costs))
         # a chunk of 2+ queries within PACK_TOKENS runs packed (its real tokens); a larger one pads as above
-        packed = [sum(tokens[i] for i in chunk) if 1 < len(chunk) and sum(tokens[i] for i in chunk) <= PACK_TOKENS
-                  else len(chunk) * max(tokens[i] for i in chunk) for chunk in cuts["balanced"]]
-        padded["balanced, packed"] += sum(packed)
-        slowest["balanced, packed"].append(max(packed))
+        for name, chunks in (("balanced, packed", cuts["balanced"]),
+                             ("by totals, packed", worker_chunks(chars, args.workers, PACK_CHARS_PER_TOKEN * PACK_TOKENS))):
+            packed = [sum(tokens[i] for i in chunk) if 1 < len(chunk) and sum(tokens[i] for i in chunk) <= PACK_TOKENS
+                      else len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]
+            padded[name] += sum(packed)
+            slowest[name].append(max(packed))
         slowest["unpadded ideal"].append(sum(tokens) / args.workers)
     print(f"{args.batches} batches of {args.batch} pool questions, {args.workers} workers, {args.encoder} tokens")
     print("| cut | padding | slowest chunk, tokens: p50 | p99 | p99 / halves' p99 |")

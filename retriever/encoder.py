@@ -146,6 +146,9 @@ class Encoder:
     backend = "none"
     device = "cpu"  # resolved: cpu | cuda | mps (the part before any ':N')
     forward = "eager"  # traced | eager (torch), onnx
+    # A call of 2+ texts with at most this many tokens in all runs as one row without padding (traced torch BERTs,
+    # retriever/traced.py), so it costs its real tokens; 0 = every call pads to its longest text.
+    pack_tokens = 0
 
     def __init__(self, cfg: EncoderConfig, facts: ModelFacts, dtype: str) -> None:
         self.cfg = cfg
@@ -220,9 +223,11 @@ class TorchEncoder(Encoder):
         self.model_normalizes: bool = any(type(module).__name__ == "Normalize" for module in model)
         self.traced: TracedForward | None = None
         if cfg.trace and self.device == "cpu":
-            from sisrl.retriever.traced import trace_forward
+            from sisrl.retriever.traced import PACK_TOKENS, trace_forward
 
             self.traced = trace_forward(model, dtype, self.max_length, self.query_prefix)
+            if self.traced is not None and self.traced.packed is not None:
+                self.pack_tokens = PACK_TOKENS
         self.forward = "traced" if self.traced is not None else "eager"
 
     def _embed(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:

@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     dedupe: bool = Field(True, description="encode duplicate queries of a request (and of a coalesced batch) once")
     cache_size: int = Field(65536, ge=0, description="LRU cache entries of (query, topk) results; 0 turns it off")
     coalesce_ms: float = Field(2.0, ge=0, le=1000, description="collect concurrent requests this long into one "
-                               "encoder batch; 0 turns coalescing off")
+                               "encoder batch (less once as many wait as the largest of the last 8 batches "
+                               "held); 0 turns coalescing off")
     max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
     pipeline_queries: int = Field(64, ge=0, description="search a coalesced batch in pieces of this many queries "
                                   "(length-sorted) and answer each request as soon as its piece is done, so "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,13 @@ import pytest
 from sisrl.retriever.encode_procs import EncoderProcesses
 from sisrl.retriever.metrics import Metrics
 from sisrl.retriever.searcher import Searcher, SearcherOptions, encoder_config, open_searcher
-from sisrl.retriever.service import RetrievalService, ServiceOptions, balanced_chunks
+from sisrl.retriever.service import (
+    RetrievalService,
+    ServiceOptions,
+    balanced_chunks,
+    packed_chunks,
+    worker_chunks,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -161,6 +168,55 @@ def test_balanced_chunks_equal_the_best_cut_found_by_trying_every_one(seed: int)
     assert _padded(lengths, chunks) == best
 
 
+def test_packed_chunks_even_out_the_totals_longest_first() -> None:
+    # 40 -> A, 40 -> B, then the four 10s alternate: 60 and 60 (neighbours in length order give 40 and 80)
+    lengths = [10, 40, 10, 10, 40, 10]
+    chunks = packed_chunks(lengths, 2)
+    assert sorted(sum(lengths[i] for i in chunk) for chunk in chunks) == [60, 60]
+    assert sorted(i for chunk in chunks for i in chunk) == list(range(6))
+    assert packed_chunks([5, 7], 4) == [[1], [0]] and packed_chunks([], 2) == []
+    with pytest.raises(ValueError, match="groups: expected >= 1, got 0"):
+        packed_chunks([1, 2], 0)
+
+
+def test_worker_chunks_cut_by_totals_only_where_the_chunks_run_packed() -> None:
+    lengths = [10, 40, 10, 10, 40, 10]
+    neighbours = balanced_chunks(lengths, 2)  # four 10s (padded 40) and two 40s (padded 80)
+    assert sorted(sorted(lengths[i] for i in chunk) for chunk in neighbours) == [[10, 10, 10, 10], [40, 40]]
+    assert worker_chunks(lengths, 2, pack_chars=0) == neighbours  # the encoder pads every call
+    by_totals = worker_chunks(lengths, 2, pack_chars=200)  # both packed: 60 and 60 against 40 and 80
+    assert sorted(sum(lengths[i] for i in chunk) for chunk in by_totals) == [60, 60]
+    # a chunk over 50 characters pads: 40, 10, 10 would cost 3 x 40 = 120, more than the neighbours' 80
+    assert worker_chunks(lengths, 2, pack_chars=50) == neighbours
+
+
+def test_a_packing_encoder_gets_chunks_of_about_equal_total_length(minilm_index: Path) -> None:
+    """Six one-query requests, two of them long, two workers, the traced torch MiniLM (which runs a small chunk as
+    one unpadded row): each worker gets one long query and two short ones, not the four short ones in one chunk
+    and both long ones in the other (what neighbours in length order give)."""
+    searcher = open_searcher(minilm_index, replace(FP32, backend="torch"))
+    assert searcher.encoder.pack_tokens > 0
+    long_queries = ["who painted the ceiling of the sistine chapel in rome", "what is the tallest mountain in the solar system"]
+    short = ["rice", "salt", "jazz", "tea"]
+    recorder = _SizeRecorder(searcher)
+
+    async def main() -> None:
+        service = RetrievalService(recorder, ServiceOptions(cache_size=0, coalesce_ms=50,  # type: ignore[arg-type]
+                                                            encode_workers=2), Metrics())
+        await service.start()
+        try:
+            await asyncio.gather(*(service.retrieve([q], 3) for q in [*short[:2], *long_queries, *short[2:]]))
+        finally:
+            await service.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        searcher.close()
+    assert len(recorder.calls) == 2
+    assert sorted(len(set(call) & set(long_queries)) for call in recorder.calls) == [1, 1], recorder.calls
+
+
 class _SizeRecorder:
     """The real searcher, recording the queries of each call (one per chunk a worker runs)."""
 
@@ -195,6 +251,35 @@ def test_a_coalesced_batch_goes_to_the_workers_in_length_balanced_chunks(searche
     assert sorted(map(sorted, recorder.calls)) == [sorted(short), [long_query]]
     for query, hits in zip([short[0], long_query, *short[1:]], results, strict=True):
         assert [p.id for p, _ in hits[0]] == [p.id for p, _ in searcher.search([query], 3)[0]]
+
+
+def test_the_window_closes_once_as_many_requests_wait_as_recent_batches_held(searcher: Searcher) -> None:
+    """Closed-loop clients come back in the groups they were answered in: with a 400 ms window, a first round of
+    three requests waits the whole window (nothing to expect yet), a second round of three is sent on as soon as
+    all three are in, and a round of two still waits the window out for a third. Each round is one batch."""
+    window_s = 0.4
+    metrics = Metrics()
+
+    async def main() -> list[float]:
+        service = RetrievalService(searcher, ServiceOptions(cache_size=0, coalesce_ms=window_s * 1000,
+                                                            encode_workers=2), metrics)
+        await service.start()
+        took = []
+        try:
+            for round_ in (["rice", "salt", "jazz"], ["tea", "coral", "violin"], ["sushi", "marathon"]):
+                began = time.perf_counter()
+                await asyncio.gather(*(service.retrieve([q], 3) for q in round_))
+                took.append(time.perf_counter() - began)
+        finally:
+            await service.stop()
+        return took
+
+    first, second, third = asyncio.run(main())
+    assert first >= window_s and third >= window_s
+    assert second < window_s / 2  # three short queries encode in milliseconds
+    samples = {s.name: s.value for m in metrics.coalesced_requests.collect() for s in m.samples}
+    assert samples["sisrl_retriever_coalesced_requests_count"] == 3  # batches
+    assert samples["sisrl_retriever_coalesced_requests_sum"] == 8  # requests in them
 
 
 class _LoopProbe:

@@ -4,7 +4,8 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
 - `dedupe`: a GRPO batch repeats each question n times; identical queries are encoded and searched once.
 - `cache_size`: an LRU cache of (query, topk) -> hits; later rollouts ask the same first queries again.
 - `coalesce_ms`: requests that arrive within a few ms are merged into one encoder batch, so many one-query
-  clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it.
+  clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it; the window
+  closes early once as many requests wait as the recent batches held (`_collect`).
 - `pipeline_queries`: a coalesced batch is searched in pieces (length-sorted) and each request is answered as
   soon as its piece is done, so responses and new requests flow while the next piece encodes.
 - `fifo_window`: the pieces follow the requests' arrival order, length-sorted within windows of a few pieces'

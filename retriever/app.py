@@ -21,11 +21,6 @@ from sisrl.retriever.service import RetrievalService, ServiceOptions
 from sisrl.retriever.settings import Settings
 
 logger = logging.getLogger(__name__)
-# Python's GIL switch interval while the server runs (the default is 5 ms). An encoder thread takes the GIL back
-# after each native call (the forward, FAISS); under many clients the event loop seldom blocks, so each retake
-# could wait out a whole interval. Paired runs (AMD EPYC Zen 4, 2 cores, torch bf16; a fresh server per run, 20 s
-# of 200 one-query clients, six pairs; docs/retriever.md, "Why it is fast for RL"): 178 against 168 req/s.
-GIL_SWITCH_S = 0.0005
 
 
 def encode_plan(settings: Settings) -> tuple[int, int]:
@@ -51,6 +46,7 @@ def searcher_options(settings: Settings) -> SearcherOptions:
 
 def service_options(settings: Settings, workers: int) -> ServiceOptions:
     return ServiceOptions(dedupe=settings.dedupe, cache_size=settings.cache_size, coalesce_ms=settings.coalesce_ms,
+                          coalesce_early=settings.coalesce_early,
                           max_batch_queries=settings.max_batch_queries,
                           pipeline_queries=settings.pipeline_queries, offload=settings.offload,
                           overlap=settings.overlap, fifo_window=settings.fifo_window,
@@ -92,8 +88,11 @@ def create_app(settings: Settings) -> FastAPI:
         else:
             logger.info("retriever ready in %.2fs on index %s; %d encoder worker(s) x %s intra-op thread(s)",
                         app.state.startup_seconds, settings.index, workers, threads or "default")
+        # `--gil-switch-ms`: an encoder thread takes the GIL back after each native call (the forward, FAISS); under
+        # many clients the event loop seldom blocks, so with Python's 5 ms each retake could wait out a whole
+        # interval (docs/retriever.md, "Why it is fast for RL": 178 against 168 req/s under 200 clients at 0.5 ms).
         switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch, GIL_SWITCH_S))
+        sys.setswitchinterval(settings.gil_switch_ms / 1000)
         try:
             yield
         finally:

@@ -4,8 +4,8 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
 - `dedupe`: a GRPO batch repeats each question n times; identical queries are encoded and searched once.
 - `cache_size`: an LRU cache of (query, topk) -> hits; later rollouts ask the same first queries again.
 - `coalesce_ms`: requests that arrive within a few ms are merged into one encoder batch, so many one-query
-  clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it; the window
-  closes early once as many requests wait as the recent batches held (`_collect`).
+  clients (verl, SkyRL send one query per tool call) share a forward pass instead of queueing for it; with
+  `coalesce_early` the window closes once as many requests wait as the recent batches held (`_collect`).
 - `pipeline_queries`: a coalesced batch is searched in pieces (length-sorted) and each request is answered as
   soon as its piece is done, so responses and new requests flow while the next piece encodes.
 - `fifo_window`: the pieces follow the requests' arrival order, length-sorted within windows of a few pieces'
@@ -129,6 +129,7 @@ class ServiceOptions:
     dedupe: bool = True
     cache_size: int = 65536
     coalesce_ms: float = 2.0
+    coalesce_early: bool = True
     max_batch_queries: int = 1024
     pipeline_queries: int = 64
     offload: bool = True
@@ -324,7 +325,8 @@ class RetrievalService:
             remaining = deadline - loop.time()
             if last_pass or size >= self.options.max_batch_queries or remaining <= 0:
                 break
-            expected = max(self._recent, default=0)  # 0 before the first batch: nothing to expect yet
+            # 0 before the first batch (nothing to expect yet) or with `coalesce_early` off: wait the window out
+            expected = max(self._recent, default=0) if self.options.coalesce_early else 0
             if 0 < expected <= len(batch):
                 break
             # Woken by the timer at the deadline, or by `_search` once `expected` requests are in.

@@ -37,8 +37,10 @@ class Settings(BaseSettings):
     dedupe: bool = Field(True, description="encode duplicate queries of a request (and of a coalesced batch) once")
     cache_size: int = Field(65536, ge=0, description="LRU cache entries of (query, topk) results; 0 turns it off")
     coalesce_ms: float = Field(2.0, ge=0, le=1000, description="collect concurrent requests this long into one "
-                               "encoder batch (less once as many wait as the largest of the last 8 batches "
-                               "held); 0 turns coalescing off")
+                               "encoder batch; 0 turns coalescing off")
+    coalesce_early: bool = Field(True, description="close the coalescing window as soon as as many requests wait "
+                                 "as the largest of the last 8 batches held (closed-loop clients come back in the "
+                                 "groups they were answered in); off = every batch waits the whole window")
     max_batch_queries: int = Field(1024, ge=1, description="most queries in one coalesced encoder batch")
     pipeline_queries: int = Field(64, ge=0, description="search a coalesced batch in pieces of this many queries "
                                   "(length-sorted) and answer each request as soon as its piece is done, so "
@@ -59,6 +61,9 @@ class Settings(BaseSettings):
                                   "encoder only), each with its own encoder copy and --torch-threads (0 = 1) "
                                   "intra-op threads, so encoding never waits for the event loop's GIL; search "
                                   "stays in the server; 0 = encode in the --encode-workers threads")
+    gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval while the server "
+                                 "runs (Python's own default is 5 ms): how long an encoder thread back from a "
+                                 "native call (forward, FAISS) may wait for the busy event loop to let go")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")

@@ -253,16 +253,18 @@ def test_a_coalesced_batch_goes_to_the_workers_in_length_balanced_chunks(searche
         assert [p.id for p, _ in hits[0]] == [p.id for p, _ in searcher.search([query], 3)[0]]
 
 
-def test_the_window_closes_once_as_many_requests_wait_as_recent_batches_held(searcher: Searcher) -> None:
+@pytest.mark.parametrize("early", [True, False])
+def test_the_window_closes_once_as_many_requests_wait_as_recent_batches_held(searcher: Searcher, early: bool) -> None:
     """Closed-loop clients come back in the groups they were answered in: with a 400 ms window, a first round of
     three requests waits the whole window (nothing to expect yet), a second round of three is sent on as soon as
-    all three are in, and a round of two still waits the window out for a third. Each round is one batch."""
+    all three are in, and a round of two still waits the window out for a third. Each round is one batch. With
+    `coalesce_early` off every round waits the whole window."""
     window_s = 0.4
     metrics = Metrics()
 
     async def main() -> list[float]:
         service = RetrievalService(searcher, ServiceOptions(cache_size=0, coalesce_ms=window_s * 1000,
-                                                            encode_workers=2), metrics)
+                                                            coalesce_early=early, encode_workers=2), metrics)
         await service.start()
         took = []
         try:
@@ -276,7 +278,10 @@ def test_the_window_closes_once_as_many_requests_wait_as_recent_batches_held(sea
 
     first, second, third = asyncio.run(main())
     assert first >= window_s and third >= window_s
-    assert second < window_s / 2  # three short queries encode in milliseconds
+    if early:
+        assert second < window_s / 2  # three short queries encode in milliseconds
+    else:
+        assert second >= window_s
     samples = {s.name: s.value for m in metrics.coalesced_requests.collect() for s in m.samples}
     assert samples["sisrl_retriever_coalesced_requests_count"] == 3  # batches
     assert samples["sisrl_retriever_coalesced_requests_sum"] == 8  # requests in them

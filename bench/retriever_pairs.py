@@ -8,8 +8,7 @@ it; the two option sets alternate `--pairs` times so drifts of the machine hit b
 and clients are bench/retriever.py's.
 
     .venv/bin/python bench/retriever_pairs.py --index /tmp/bench3k --b "--encode-processes 2"
-    .venv/bin/python bench/retriever_pairs.py --index /tmp/bench3k --a "--no-coalesce-early --gil-switch-ms 5" \
-        --b "" --clients 8 --pairs 4
+    .venv/bin/python bench/retriever_pairs.py --index /tmp/bench3k --a "--no-coalesce-early" --b "" --clients 8
 """
 
 from __future__ import annotations

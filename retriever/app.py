@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -88,15 +87,9 @@ def create_app(settings: Settings) -> FastAPI:
         else:
             logger.info("retriever ready in %.2fs on index %s; %d encoder worker(s) x %s intra-op thread(s)",
                         app.state.startup_seconds, settings.index, workers, threads or "default")
-        # `--gil-switch-ms`: an encoder thread takes the GIL back after each native call (the forward, FAISS); under
-        # many clients the event loop seldom blocks, so with Python's 5 ms each retake could wait out a whole
-        # interval (docs/retriever.md, "Why it is fast for RL": 178 against 168 req/s under 200 clients at 0.5 ms).
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(settings.gil_switch_ms / 1000)
         try:
             yield
         finally:
-            sys.setswitchinterval(switch)
             await service.stop()
             searcher.close()
 

@@ -61,9 +61,6 @@ class Settings(BaseSettings):
                                   "encoder only), each with its own encoder copy and --torch-threads (0 = 1) "
                                   "intra-op threads, so encoding never waits for the event loop's GIL; search "
                                   "stays in the server; 0 = encode in the --encode-workers threads")
-    gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval while the server "
-                                 "runs (Python's own default is 5 ms): how long an encoder thread back from a "
-                                 "native call (forward, FAISS) may wait for the busy event loop to let go")
     faiss_gpu: bool = Field(False, description="shard the FAISS index over all GPUs (needs faiss-gpu)")
     mmap_index: bool = Field(False, description="memory-map the FAISS file instead of reading it into RAM")
     nprobe: int = Field(32, ge=1, description="IVF-PQ: lists probed per query")

@@ -304,8 +304,9 @@ class RetrievalService:
                     pending.future.set_exception(exc)
 
     async def _collect(self, queue: asyncio.Queue[_Pending]) -> list[_Pending]:
-        """The first waiting request plus whatever arrives within `coalesce_ms`, up to max_batch_queries; the
-        window closes early once the batch holds as many requests as the largest of the last RECENT_BATCHES did.
+        """The first waiting request plus whatever arrives within `coalesce_ms`, up to max_batch_queries; with
+        `coalesce_early` the window closes once the batch holds as many requests as the largest of the last
+        RECENT_BATCHES did.
 
         One timer per batch, not one `wait_for` task per request: take what already waits, wait out the rest of
         the window once if there is room, then take what arrived meanwhile. Closing early: closed-loop clients (an

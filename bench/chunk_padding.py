@@ -1,10 +1,10 @@
 """How much of a coalesced batch's encoder work is padding, by how the service cuts it into worker chunks: halves
-by count (the cut before `service.balanced_chunks`), length-balanced chunks, the same chunks packed without
-padding (what retriever/traced.py does with a chunk of at most PACK_TOKENS tokens), the cut the service makes for
-such an encoder (`service.worker_chunks`: chunks of about equal total length where that is cheaper), and the
-unpadded ideal (each worker gets an equal share of the batch's real tokens). Counts e5 tokens (query prefix
-included) over batches drawn from the retriever bench's shuffled question pool, as 8 one-query clients (workload
-(c)) send them. No timing: token counts, so it runs in seconds on any machine.
+by count (the cut before `service.balanced_chunks`), length-balanced chunks, the same chunks packed (the rows
+retriever/traced.py lays a call of short texts out in, `plan_rows`: padded only to the fullest row), the cut the
+service makes for such an encoder (`service.worker_chunks`: chunks of about equal total length where that is
+cheaper), and the unpadded ideal (each worker gets an equal share of the batch's real tokens). Counts e5 tokens
+(query prefix included) over batches drawn from the retriever bench's shuffled question pool, as 8 one-query
+clients (workload (c)) send them. No timing: token counts, so it runs in seconds on any machine.
 
     .venv/bin/python bench/chunk_padding.py [--batches 500] [--batch 8] [--workers 2]
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sisrl.retriever.encoder import resolve_model
 from sisrl.retriever.service import PACK_CHARS_PER_TOKEN, ROW_CHARS, balanced_chunks, worker_chunks
-from sisrl.retriever.traced import PACK_TOKENS
+from sisrl.retriever.traced import PACK_LONGEST, plan_rows
 from transformers import AutoTokenizer
 
 
@@ -52,11 +52,12 @@ def main() -> None:
             costs = [len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]  # each pads to its longest
             padded[name] += sum(costs)
             slowest[name].append(max(costs))
-        # a chunk of 2+ queries within PACK_TOKENS runs packed (its real tokens); a larger one pads as above
+        # a chunk of queries of at most PACK_LONGEST tokens runs packed in plan_rows' rows (each padded to the
+        # fullest); one with a longer query pads as above
         for name, chunks in (("balanced, packed", cuts["balanced"]),
-                             ("by totals, packed", worker_chunks(chars, args.workers, PACK_CHARS_PER_TOKEN * PACK_TOKENS))):
-            packed = [sum(tokens[i] for i in chunk) if 1 < len(chunk) and sum(tokens[i] for i in chunk) <= PACK_TOKENS
-                      else len(chunk) * max(tokens[i] for i in chunk) for chunk in chunks]
+                             ("by totals, packed", worker_chunks(chars, args.workers,
+                                                                PACK_CHARS_PER_TOKEN * PACK_LONGEST))):
+            packed = [_packed_tokens([tokens[i] for i in chunk]) for chunk in chunks]
             padded[name] += sum(packed)
             slowest[name].append(max(packed))
         slowest["unpadded ideal"].append(sum(tokens) / args.workers)
@@ -69,6 +70,14 @@ def main() -> None:
         share = f"{padded[name] / real - 1:.1%}" if name in padded else "0.0%"
         p99 = ordered[int(0.99 * len(ordered))]
         print(f"| {name} | {share} | {ordered[len(ordered) // 2]:.0f} | {p99:.0f} | {p99 / base:.2f} |")
+
+
+def _packed_tokens(lengths: list[int]) -> int:
+    """Tokens a chunk's forward runs over: rows x the fullest row where it packs, else count x longest."""
+    if len(lengths) == 1 or max(lengths) > PACK_LONGEST:
+        return len(lengths) * max(lengths)
+    rows = plan_rows(lengths)
+    return len(rows) * max(sum(lengths[i] for i in row) for row in rows)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def encode_plan(settings: Settings) -> tuple[int, int]:
 def searcher_options(settings: Settings) -> SearcherOptions:
     return SearcherOptions(encoder=settings.encoder, dtype=settings.dtype, device=settings.device,
                            backend=settings.backend, threads=encode_plan(settings)[1],
-                           encode_batch_size=settings.encode_batch_size, trace=settings.trace,
+                           encode_batch_size=settings.encode_batch_size, trace=settings.trace, pack=settings.pack,
                            faiss_gpu=settings.faiss_gpu,
                            mmap_index=settings.mmap_index, nprobe=settings.nprobe, ef_search=settings.ef_search,
                            rerank=settings.rerank)

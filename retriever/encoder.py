@@ -74,6 +74,9 @@ class EncoderConfig:
         "help": "torch backend on a CPU: run transformer + pooling as one TorchScript graph, checked against "
                 "sentence-transformers at load (eager where it differs); a served encoder then holds the GIL "
                 "once per batch instead of per layer (retriever/traced.py)"})
+    pack: bool = field(default=True, metadata={
+        "help": "traced BERT on a CPU: texts of up to 128 tokens run without padding, packed end to end in rows "
+                "(checked at load like the trace); off: every batch pads to its longest text"})
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -146,8 +149,8 @@ class Encoder:
     backend = "none"
     device = "cpu"  # resolved: cpu | cuda | mps (the part before any ':N')
     forward = "eager"  # traced | eager (torch), onnx
-    # A call of 2+ texts with at most this many tokens in all runs as one row without padding (traced torch BERTs,
-    # retriever/traced.py), so it costs its real tokens; 0 = every call pads to its longest text.
+    # Texts of at most this many tokens run packed, without padding, in calls of any size (traced torch BERTs,
+    # retriever/traced.py): a call costs about its real tokens; 0 = a call of 2+ texts pads to its longest.
     pack_tokens = 0
 
     def __init__(self, cfg: EncoderConfig, facts: ModelFacts, dtype: str) -> None:
@@ -223,11 +226,11 @@ class TorchEncoder(Encoder):
         self.model_normalizes: bool = any(type(module).__name__ == "Normalize" for module in model)
         self.traced: TracedForward | None = None
         if cfg.trace and self.device == "cpu":
-            from sisrl.retriever.traced import PACK_TOKENS, trace_forward
+            from sisrl.retriever.traced import PACK_LONGEST, trace_forward
 
-            self.traced = trace_forward(model, dtype, self.max_length, self.query_prefix)
+            self.traced = trace_forward(model, dtype, self.max_length, self.query_prefix, pack=cfg.pack)
             if self.traced is not None and self.traced.packed is not None:
-                self.pack_tokens = PACK_TOKENS
+                self.pack_tokens = PACK_LONGEST
         self.forward = "traced" if self.traced is not None else "eager"
 
     def _embed(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:

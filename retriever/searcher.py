@@ -29,6 +29,7 @@ class SearcherOptions:
     threads: int = 0  # intra-op threads of the encoder; 0 = one per core
     encode_batch_size: int = 64
     trace: bool = True  # torch on a CPU: the traced forward (retriever/traced.py)
+    pack: bool = True  # and its packed calls of short texts
     faiss_gpu: bool = False
     mmap_index: bool = False
     nprobe: int = 32
@@ -74,7 +75,7 @@ def encoder_config(manifest: Manifest, options: SearcherOptions) -> EncoderConfi
     return EncoderConfig(model=options.encoder or spec.model, query_prefix=spec.query_prefix,
                          passage_prefix=spec.passage_prefix, max_length=spec.max_length, dtype=options.dtype,
                          device=options.device, batch_size=options.encode_batch_size, backend=options.backend,
-                         trace=options.trace)
+                         trace=options.trace, pack=options.pack)
 
 
 def check_encoder(manifest: Manifest, encoder: Encoder, directory: Path) -> None:

@@ -16,7 +16,7 @@ What makes it faster than Search-R1's server for RL traffic, each part switchabl
   previous batch is done, so no worker idles while the last chunk of a batch finishes on another.
 - Chunks: a piece is spread over the workers in length-balanced chunks (`balanced_chunks`: neighbours in length
   order, cut so that the slowest chunk's padded size is least), since the piece is done when its slowest chunk is;
-  where the encoder runs small chunks unpadded, in chunks of about equal total length instead (`worker_chunks`).
+  where the encoder runs queries unpadded, in chunks of about equal total length instead (`worker_chunks`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ MIN_CHUNK = 4  # queries; smaller pieces are not worth a thread hand-off
 # Added to a query's character count in `balanced_chunks`: the query prefix and the two special tokens of an
 # E5/BERT-style encoder, which every row pays (e5's WordPiece is ~4 characters a token, so ~4 tokens' worth).
 ROW_CHARS = 16
-# Characters a chunk may hold per token of the encoder's packing limit and still count as packed: e5/BERT WordPiece
+# Characters a query may have per token of the encoder's packing limit and still count as packed: e5/BERT WordPiece
 # averages ~4 characters a token on English questions; 3 errs on the side of a chunk that pads after all (slower,
 # never wrong).
 PACK_CHARS_PER_TOKEN = 3
@@ -107,7 +107,7 @@ def packed_chunks(lengths: list[int], groups: int) -> list[list[int]]:
 
 def worker_chunks(lengths: list[int], groups: int, pack_chars: int) -> list[list[int]]:
     """The chunks a piece of queries (`lengths` in characters) goes to the workers in: `balanced_chunks`, or where
-    the encoder packs small calls (`pack_chars` > 0: a chunk of one query, or of at most that many characters,
+    the encoder packs (`pack_chars` > 0: a chunk of one query, or of queries of at most that many characters each,
     runs unpadded and costs its total) `packed_chunks` when its slowest chunk costs less.
 
     Over 500 batches of 8 pool questions on two workers (e5 tokens, `bench/chunk_padding.py`): the slowest chunk
@@ -117,8 +117,8 @@ def worker_chunks(lengths: list[int], groups: int, pack_chars: int) -> list[list
         return balanced
 
     def cost(chunk: list[int]) -> int:
-        total = sum(lengths[i] for i in chunk)
-        return total if len(chunk) == 1 or total <= pack_chars else len(chunk) * max(lengths[i] for i in chunk)
+        longest = max(lengths[i] for i in chunk)
+        return sum(lengths[i] for i in chunk) if len(chunk) == 1 or longest <= pack_chars else len(chunk) * longest
 
     packed = packed_chunks(lengths, groups)
     return packed if max(map(cost, packed)) < max(map(cost, balanced), default=0) else balanced
@@ -136,7 +136,7 @@ class ServiceOptions:
     max_query_chars: int = 4096
     encode_workers: int = 1
     overlap: bool = True
-    fifo_window: int = 2
+    fifo_window: int | None = None  # None: 1 where the encoder packs queries, else 2
 
 
 class LRUCache:
@@ -188,6 +188,9 @@ class RetrievalService:
         self._arrivals: asyncio.Event | None = None  # set while `_collect` waits for `_awaited` more requests
         self._awaited = 0
         self._pack_chars = PACK_CHARS_PER_TOKEN * searcher.encoder.pack_tokens
+        # Arrival order costs no padding where the encoder packs queries; else windows of two keep most of it.
+        self.fifo_window = options.fifo_window if options.fifo_window is not None else \
+            (1 if searcher.encoder.pack_tokens else 2)
 
     async def start(self) -> None:
         if self.options.coalesce_ms > 0:
@@ -350,10 +353,11 @@ class RetrievalService:
         length-sorted as a whole, and under many one-query clients a request waits mostly for the requests that
         came before it. W = 0: the whole batch shortest first: least padding, but the longest queries of every
         batch go last, miss the next batch and wait about twice as long. W = 1 is fairest, W = 2 (the default)
-        keeps most of W = 0's throughput (measured: docs/retriever.md, "FIFO across requests")."""
-        if self.options.fifo_window <= 0:
+        keeps most of W = 0's throughput where the encoder pads; where it packs, W = 1 costs nothing and is the
+        default (measured: docs/retriever.md, "FIFO across requests")."""
+        if self.fifo_window <= 0:
             return lambda i: (0, len(unique[i]))
-        window = self.options.fifo_window * size
+        window = self.fifo_window * size
         first = [-1] * len(unique)  # the first request that asks query i (rows are in arrival order)
         for j, r in enumerate(rows):
             for i in r:

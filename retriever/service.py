@@ -110,8 +110,9 @@ def worker_chunks(lengths: list[int], groups: int, pack_chars: int) -> list[list
     the encoder packs (`pack_chars` > 0: a chunk of one query, or of queries of at most that many characters each,
     runs unpadded and costs its total) `packed_chunks` when its slowest chunk costs less.
 
-    Over 500 batches of 8 pool questions on two workers (e5 tokens, `bench/chunk_padding.py`): the slowest chunk
-    p50 / p99 94 / 132 tokens cut as balanced neighbours, 90 / 118 by totals, 87 / 115 for an even split."""
+    Over 500 batches of 8 pool questions on two workers (e5 tokens, packed in `traced.plan_rows`' rows,
+    `bench/chunk_padding.py`): the slowest chunk p50 / p99 95 / 134 tokens cut as balanced neighbours, 92 / 122 by
+    totals, 87 / 115 for an even split."""
     balanced = balanced_chunks(lengths, groups)
     if pack_chars <= 0:
         return balanced
@@ -352,9 +353,9 @@ class RetrievalService:
         window where its first new query does), shortest first inside a window; so one large request is
         length-sorted as a whole, and under many one-query clients a request waits mostly for the requests that
         came before it. W = 0: the whole batch shortest first: least padding, but the longest queries of every
-        batch go last, miss the next batch and wait about twice as long. W = 1 is fairest, W = 2 (the default)
-        keeps most of W = 0's throughput where the encoder pads; where it packs, W = 1 costs nothing and is the
-        default (measured: docs/retriever.md, "FIFO across requests")."""
+        batch go last, miss the next batch and wait about twice as long. W = 1 is fairest; where the encoder pads,
+        W = 2 (the default there) keeps most of W = 0's throughput; where it packs, W = 1 costs no padding and is
+        the default (measured: docs/retriever.md, "FIFO across requests")."""
         if self.fifo_window <= 0:
             return lambda i: (0, len(unique[i]))
         window = self.fifo_window * size

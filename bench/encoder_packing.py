@@ -14,12 +14,11 @@ printed, and each packed figure has its ratio to the padded one of the same run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from bench_module import bench_retriever
 
 
 def main() -> None:
@@ -34,11 +33,7 @@ def main() -> None:
     from sisrl.retriever.encoder import EncoderConfig, TorchEncoder, load_encoder
 
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("bench_retriever", Path(__file__).with_name("retriever.py"))
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = bench_retriever()
     pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
     encoder = load_encoder(EncoderConfig(model=args.encoder, backend="torch", dtype=args.dtype), threads=1)
     if not isinstance(encoder, TorchEncoder) or encoder.traced is None or encoder.traced.packed is None:

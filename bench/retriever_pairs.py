@@ -14,28 +14,16 @@ and clients are bench/retriever.py's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shlex
 import statistics
 import sys
 from pathlib import Path
-from types import ModuleType
 
+from bench_module import bench_retriever
 from sisrl.common.hardware import cpu_model
 from sisrl.common.procs import launch, wait_healthy
 
-
-def _bench_retriever() -> ModuleType:
-    """bench/retriever.py (workloads, question pool, clients), loaded by path: `retriever` is also sisrl's package."""
-    spec = importlib.util.spec_from_file_location("bench_retriever", Path(__file__).with_name("retriever.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_retriever"] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench_retriever()
+bench = bench_retriever()
 
 
 def one_run(index: Path, options: list[str], seconds: float, port: int, clients: int) -> dict[str, float]:

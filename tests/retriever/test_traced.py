@@ -128,7 +128,8 @@ def test_pack_rows_first_fit_longest_first() -> None:
 def test_plan_rows_takes_the_least_costly_width() -> None:
     from sisrl.retriever.traced import plan_rows, row_cost
 
-    assert sorted(map(sorted, plan_rows([10, 12, 9]))) == [[0, 1, 2]]  # a few short texts: one row (31 tokens, nothing padded)
+    # a few short texts: one row (31 tokens, nothing padded)
+    assert sorted(map(sorted, plan_rows([10, 12, 9]))) == [[0, 1, 2]]
     # one long text and five short ones: two rows of 40 (the long one; the five), not one row of 80 (its attention
     # costs more) nor rows of 48 (the long one and a short one, then four short ones padded to 48)
     lengths = [40, 8, 8, 8, 8, 8]

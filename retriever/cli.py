@@ -59,7 +59,8 @@ EVAL_OPTIONS = (
     Option("json_out", Path, None, "also write the report as JSON here"),
     Option("dtype", str, "auto", "encoder dtype for --index", dest="enc_dtype"),
     Option("device", str, "auto", "encoder device for --index", dest="enc_device"),
-    Option("backend", str, "auto", "encoder runtime for --index: auto | torch | onnx | onnx-int8", dest="enc_backend"),
+    Option("backend", str, "auto", "encoder runtime for --index: auto | torch | onnx | onnx-int8 | torch-int8",
+           dest="enc_backend"),
 )
 
 

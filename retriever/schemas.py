@@ -64,7 +64,9 @@ class Health(BaseModel):
     index_type: str
     startup_seconds: float
     encoder_dtype: str = Field(description="dtype the query encoder runs in (`auto` resolved for this machine)")
-    encoder_backend: str = Field(description="runtime of the query encoder: torch | onnx (`auto` resolved)")
+    encoder_backend: str = Field(description="runtime of the query encoder: torch | torch-int8 | onnx | onnx-int8 "
+                                 "(`auto` resolved); the int8 ones report encoder_dtype float32 (what is between "
+                                 "their int8 products)")
     encoder_forward: str = Field("eager", description="how the torch encoder runs its forward: traced (one "
                                  "TorchScript graph, `--trace`) | eager (sentence-transformers); onnx for ONNX Runtime")
     faiss_version: str

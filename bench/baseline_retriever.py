@@ -11,11 +11,9 @@ What it reproduces (from Search-R1's `search_r1/search/retrieval_server.py`, fac
 - after `index.search`, passages are fetched with a Python loop over the row ids (`load_docs`) from the corpus
   loaded with `datasets.load_dataset("json", ...)`; the response is a dict FastAPI encodes itself.
 The model, its prefix and the FAISS file are the ones the index manifest names, so recall must equal sisrl's
-within float noise. Checked against the real Search-R1 server (issue 12, same 3,000-passage index, AMD EPYC):
-256 unique queries per request 31.9 q/s there; this baseline's figure is printed beside sisrl's by
-bench/retriever.py. Side by side with the real server on one machine (bench/peer_check.py, which runs Search-R1's
-own file through bench/search_r1_cpu.py; Intel Xeon, 2026-12-04): within 1-3 % of its q/s on workloads (a)-(d),
-the same top-3 on 100/100 questions.
+within float noise. bench/peer_check.py runs it side by side with the real server on one machine (Search-R1's
+own file through bench/search_r1_cpu.py), the same workloads and the top-3 of 100 questions; its records are in
+docs/results.md.
 
     python bench/baseline_retriever.py --index DIR --port 8001
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from bench_module import bench_retriever
+from record import write_record
 from sisrl.retriever.encoder import resolve_model
 from sisrl.retriever.service import PACK_CHARS_PER_TOKEN, ROW_CHARS, balanced_chunks, worker_chunks
 from sisrl.retriever.traced import PACK_LONGEST, plan_rows
@@ -59,11 +60,32 @@ def main() -> None:
     print("| cut | padding | slowest chunk, tokens: p50 | p99 | p99 / halves' p99 |")
     print("|---|---|---|---|---|")
     base = sorted(slowest["halves"])[int(0.99 * args.batches)]
+    rows: list[list[str | float]] = []
     for name, values in slowest.items():
         ordered = sorted(values)
         share = f"{padded[name] / real - 1:.1%}" if name in padded else "0.0%"
         p99 = ordered[int(0.99 * len(ordered))]
         print(f"| {name} | {share} | {ordered[len(ordered) // 2]:.0f} | {p99:.0f} | {p99 / base:.2f} |")
+        rows.append([name, round(padded[name] / real - 1, 4) if name in padded else 0.0,
+                     round(float(ordered[len(ordered) // 2]), 1), round(float(p99), 1), round(p99 / base, 3)])
+
+    def figures(row: list[str | float]) -> dict[str, str | float]:
+        return {"padding share": row[1], "slowest chunk tokens p50": row[2], "slowest chunk tokens p99": row[3]}
+
+    service = next(r for r in rows if r[0] == "by totals, packed")
+    write_record(
+        bench="chunk_padding", title="Retriever worker chunks: padding by cut",
+        measures="Token counts (no timing) of a coalesced batch of pool questions cut into encoder-worker chunks: "
+                 "halves by count, length-balanced chunks, the same packed in rows, the service's cut by total "
+                 "length (packed), and the unpadded ideal; the padding share and the slowest chunk's tokens.",
+        summary=f"The service's cut (by totals, packed) pads {service[1]:.1%} of a batch's tokens and its slowest "
+                f"chunk holds {service[3]:.0f} tokens at p99, {service[4]:.2f}x the halves' p99.",
+        figures=figures(service), baseline={"what": "halves by count (the cut before balanced chunks), same batches",
+                                            "figures": figures(rows[0])},
+        table={"columns": ["cut", "padding share", "slowest chunk tokens p50", "p99", "p99 / halves' p99"],
+               "rows": rows},
+        notes=f"{args.batches} batches of {args.batch} pool questions, {args.workers} workers, {args.encoder} "
+              "tokens; token counts, so the machine does not change them")
 
 
 def _packed_tokens(lengths: list[int]) -> int:

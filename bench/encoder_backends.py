@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from record import write_record
 from sisrl.common.hardware import cpu_model
 from sisrl.retriever.encoder import EncoderConfig, load_encoder
 
@@ -63,10 +64,30 @@ def main() -> None:
           f"{args.threads or 'default'}; {len(queries)} queries, {len(passages)} passages, {args.repeats} runs each")
     print("| backend | queries/s | x torch | passages/s | x torch | lowest cosine to torch (q / p) | alone vs batch |")
     print("|---|---|---|---|---|---|---|")
+    rows = []
     for b in encoders:
         print(f"| {b} | {rate['queries', b]:.1f} | {rate['queries', b] / rate['queries', 'torch']:.2f}x | "
               f"{rate['passages', b]:.2f} | {rate['passages', b] / rate['passages', 'torch']:.2f}x | "
               f"{cosine['queries', b]:.4f} / {cosine['passages', b]:.4f} | {alone[b]:.4f} |")
+        rows.append([b, round(rate["queries", b], 2), round(rate["queries", b] / rate["queries", "torch"], 3),
+                     round(rate["passages", b], 3), round(rate["passages", b] / rate["passages", "torch"], 3),
+                     round(cosine["queries", b], 5), round(cosine["passages", b], 5), round(alone[b], 5)])
+    others = [r for r in rows if r[0] != "torch"]
+    write_record(
+        bench="encoder_backends", title="Encoder backends side by side",
+        measures="Queries/s and passages/s of each encoder backend (torch fp32 sentence-transformers, onnx, "
+                 "onnx-int8, torch-int8) on the same texts, model, batch size and threads, alternating in one "
+                 "process; the lowest cosine to torch's vectors, and between a query encoded alone and in a batch.",
+        summary="Against torch fp32: " + "; ".join(f"{r[0]} {r[2]:.2f}x on queries, {r[4]:.2f}x on passages"
+                                                   for r in others) + ".",
+        figures={f"{r[0]} queries/s": r[1] for r in others} | {f"{r[0]} passages/s": r[3] for r in others}
+        | {f"{r[0]} lowest cosine to torch (queries)": r[5] for r in others},
+        baseline={"what": "torch (sentence-transformers) fp32, same process",
+                  "figures": {"torch queries/s": rows[0][1], "torch passages/s": rows[0][3]}},
+        table={"columns": ["backend", "queries/s", "x torch", "passages/s", "x torch", "lowest cosine to torch "
+                           "(queries)", "(passages)", "alone vs batch"], "rows": rows},
+        notes=f"encoder {args.encoder}, fp32, threads {args.threads or 'default'}; {len(queries)} queries, "
+              f"{len(passages)} passages, {args.repeats} runs each")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from record import write_record
 from sisrl.common.hardware import cpu_model
 from sisrl.retriever.encoder import EncoderConfig, TorchEncoder, load_encoder
 from sisrl.retriever.eval import load_questions
@@ -80,6 +81,22 @@ def main() -> int:
         threads = 2 if setting == "2 threads" else 1
         print(f"{setting:<12}{eager * 1e3:10.0f}{traced * 1e3:11.0f}{threads * len(questions) / eager:11.1f}"
               f"{threads * len(questions) / traced:12.1f}{eager / traced:13.2f}x")
+
+    def figures(name: str) -> dict[str, float]:
+        return {f"ms per batch: {setting}": round(seconds * 1e3, 1) for setting, seconds in rows[name].items()}
+
+    speed_up = {setting: rows["eager"][setting] / rows["traced"][setting] for setting in rows["eager"]}
+    write_record(
+        bench="encoder_gil", title="Encoder forward beside other Python threads: traced against eager",
+        measures="Milliseconds per 32-query batch of the torch encoder, eager (sentence-transformers) against "
+                 "traced (one TorchScript graph), alone, beside a pure-Python thread (a stand-in for the server's "
+                 "event loop), and with two encoding threads; one intra-op thread per encoding thread.",
+        summary="The traced forward is " + ", ".join(f"{x:.2f}x as fast as eager {s}" for s, x in speed_up.items())
+        + ".",
+        figures=figures("traced") | {f"traced speed-up: {s}": round(x, 3) for s, x in speed_up.items()},
+        baseline={"what": "the eager sentence-transformers forward, same process", "figures": figures("eager")},
+        notes=f"encoder {args.model} ({dtype}), torch backend, {len(questions)} nq/dev queries a batch, "
+              f"{args.batches} batches per thread and setting")
     return 0
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import write_record
 from sisrl.common.cache import user_cache_dir
 from sisrl.common.hardware import cpu_model
 from sisrl.common.models import SMOLLM2, load_tokenizer, smollm2_dir
@@ -115,6 +116,18 @@ def main() -> None:
     for batch in args.batches:
         print(f"| {batch} | {local_rates[batch]:.1f} | {vllm_rates[batch]:.1f} | "
               f"{vllm_rates[batch] / local_rates[batch]:.2f}x |")
+    write_record(
+        bench="engines", title="Local engine vs a real vLLM server",
+        measures="Generated tokens/s of the local transformers engine and of a real vLLM OpenAI server on the same "
+                 "SmolLM2-135M-Instruct float32 weights and sampling (temperature 1, K = 20 top log-probs, fixed "
+                 "seeds), at several numbers of concurrent requests.",
+        summary="vLLM / local tokens/s: " + ", ".join(f"{vllm_rates[b] / local_rates[b]:.2f}x at batch {b}"
+                                                      for b in args.batches) + ".",
+        figures={f"tok/s, batch {b}": round(vllm_rates[b], 1) for b in args.batches},
+        baseline={"what": "the local engine, same run", "figures": {f"tok/s, batch {b}": round(local_rates[b], 1)
+                                                                    for b in args.batches}},
+        notes=f"{args.new_tokens} new tokens per request; median of {args.repeats}; local engine with "
+              f"{args.threads} torch threads; vLLM {'at ' + args.vllm_url if args.vllm_url else 'started here'}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+from record import write_record
 from sisrl.common.hardware import cpu_model
 from sisrl.retriever.eval import load_questions
 from sisrl.retriever.manifest import load_manifest
@@ -78,6 +79,22 @@ def main() -> int:
         print(line)
     same = sum(a == b for a, b in zip(tops["baseline"], tops["Search-R1"], strict=True))
     print(f"identical top-3 on {same}/{len(questions)} nq/dev questions")
+    none = (0.0, 0.0)  # no FLOP count here
+    mine = {k: v for k, v in bench.run_figures(results["baseline"], none).items() if "encoder" not in k}
+    theirs = {k: v for k, v in bench.run_figures(results["Search-R1"], none).items() if "encoder" not in k}
+    write_record(
+        bench="peer_check", title="The stand-in baseline against the real Search-R1 server",
+        measures="bench/baseline_retriever.py (the stand-in bench/retriever.py compares sisrl with) against "
+                 "Search-R1's own retrieval_server.py run on the CPU by bench/search_r1_cpu.py: the same index, "
+                 "encoder and workloads (a)-(d), one server at a time, then the top-3 of 100 nq/dev questions on "
+                 "both. Near 1.0 everywhere means the stand-in costs what the real server costs.",
+        summary=f"The stand-in ran (a) at {mine['(a) q/s'] / theirs['(a) q/s']:.2f}x and (d) at "
+                f"{mine['(d) req/s'] / theirs['(d) req/s']:.2f}x the real server's rate, with the same top-3 on "
+                f"{same}/{len(questions)} questions.",
+        figures={**mine, "identical top-3": f"{same}/{len(questions)}"},
+        baseline={"what": "Search-R1's own server, same run", "figures": theirs},
+        notes=f"index {args.index.name} ({manifest.count} passages, {manifest.encoder.model}); (c) {args.clients} "
+              f"clients, (d) {args.many_clients}, {args.seconds:g} s each")
     return 0 if same == len(questions) else 1
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from record import write_record
 from sisrl.services.rewards import exact_match
 from sisrl.trainer.config import load_config
 from sisrl.trainer.data import QAItem, load_items, write_items
@@ -184,6 +185,34 @@ def main() -> None:
     results["wall_s"] = time.perf_counter() - t0
     (w / "real_data.json").write_text(json.dumps(results, indent=1) + "\n")
     say(json.dumps(results, indent=1))
+    record_run(args, results)
+
+
+def stage_figures(metrics: object, prefix: str = "") -> dict[str, float]:
+    """EM overall and per source of one evaluated stage (`eval/em`, `eval/em/<source>`)."""
+    assert isinstance(metrics, dict)
+    return {f"{prefix}{key.removeprefix('eval/').replace('/', ' ')}": round(float(value), 3)
+            for key, value in metrics.items() if key.startswith("eval/em")}
+
+
+def record_run(args: argparse.Namespace, results: dict[str, object]) -> None:
+    """EM after RL (and after SFT, and naive RAG) against the same model before training, same run."""
+    after = stage_figures(results["after_rl"])
+    write_record(
+        bench="real_data", title="Real data on CPU: NQ + HotpotQA",
+        measures="SmolLM2-135M-Instruct as a search agent on NQ and HotpotQA from ../shared/data over an E5 index "
+                 "of the shared Wikipedia passages: an oracle teacher through the gateway, SFT on its right "
+                 "answers, GRPO + SIS; dev EM per source before training, after SFT and after RL, beside naive RAG "
+                 "with the same base model.",
+        summary=f"Dev EM went from {stage_figures(results['before'])['em']:.2f} before training to "
+                f"{stage_figures(results['after_sft'])['em']:.2f} after SFT and {after['em']:.2f} after RL "
+                f"(naive RAG {stage_figures(results['naive_rag']).get('em nq', float('nan')):.2f} on nq).",
+        figures={**after, **stage_figures(results["after_sft"], "after SFT: "),
+                 **stage_figures(results["naive_rag"], "naive RAG: "), "teacher right": round(float(
+                     results["teacher_right"]), 3), "wall s": round(float(results["wall_s"]))},  # type: ignore[arg-type]
+        baseline={"what": "the same model before training, same run", "figures": stage_figures(results["before"])},
+        notes=f"{results['train_questions']} train and {results['dev_questions']} dev questions; "
+              f"{results['corpus_passages']} passages indexed ({args.encoder}); {args.steps} RL steps")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """sisrl's retriever against Search-R1's serving algorithm (bench/baseline_retriever.py), same index and
 encoder, servers on loopback started one at a time so they never share the CPU.
 
-Workloads (issue 3):
+Workloads:
   (a) batch:   requests of 256 unique queries (fresh questions every request);
   (b) rl:      requests of 64 questions x 5 copies (a GRPO group of 5 asks the same first query);
   (c) clients: 8 concurrent clients sending one query per request for --seconds;
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from record import write_record
 from sisrl.common.procs import Service, launch, wait_healthy
 from sisrl.retriever.eval import evaluate, http_retrieve, load_questions
 
@@ -394,6 +395,7 @@ def main() -> int:
     tokens, per_token = encoder_flops(args.index, flop_sample)
     peak, formula = cpu_peak_flops()
     amx = amx_peak_flops()
+    flops: dict[str, tuple[float, float]] = {}
     for name, d in (("sisrl", ours), ("Search-R1" if peer else "baseline", base)):
         a = d["a_batch"]
         assert isinstance(a, Result)
@@ -410,6 +412,7 @@ def main() -> int:
             top, what = (2 * peak, "bf16 peak (2 x ") if bf16 else (peak, "fp32 peak (")
             shown = formula
         kind = "int8 products" if int8 else d.get("encoder_dtype", "float32")
+        flops["sisrl" if d is ours else "peer"] = (achieved / 1e9, achieved / top)
         print(f"encoder FLOP/s on (a), {name} ({d.get('encoder_backend', 'torch')}: {kind}, "
               f"{d.get('encoder_forward', 'eager')} forward): {achieved / 1e9:.1f} GFLOP/s = "
               f"{achieved / top:.1%} of the {what}{shown}) = {top / 1e9:.0f} GFLOP/s"
@@ -424,7 +427,56 @@ def main() -> int:
                                             indent=2))
     gap = abs(ours["recall"]["eval/gold_recall@3"] - base["recall"]["eval/gold_recall@3"])  # type: ignore[index]
     print(f"recall@3 gap {gap:.4f} ({'ok' if gap <= 0.01 else 'FAIL: > 0.01'})")
+    record_run(args, ours, base, flops, peer is not None)
     return 0 if gap <= 0.01 else 1
+
+
+def run_figures(d: dict[str, object], flops: tuple[float, float]) -> dict[str, float]:
+    """One server's figures for the record: per workload q/s and latency, (d) against (a), memory, recall."""
+    a, b, c, many = (d[key] for key in ("a_batch", "b_rl", "c_clients", "d_many"))
+    assert isinstance(a, Result) and isinstance(b, Result) and isinstance(c, Result) and isinstance(many, Result)
+    recall = d["recall"]
+    assert isinstance(recall, dict) and isinstance(d["peak_rss_mib"], float)
+    return {"(a) q/s": round(a.qps, 1), "(a) p99 ms": round(a.pct(0.99) * 1000), "(b) q/s": round(b.qps, 1),
+            "(c) req/s": round(c.qps, 1), "(c) p99 ms": round(c.pct(0.99) * 1000), "(d) req/s": round(many.qps, 1),
+            "(d) p50 ms": round(many.pct(0.5) * 1000), "(d) p99 ms": round(many.pct(0.99) * 1000),
+            "(d) / (a)": round(many.qps / a.qps, 3), "(d) p99 / p50": round(many.pct(0.99) / many.pct(0.5), 3),
+            "peak RSS MiB": round(d["peak_rss_mib"]), "gold recall@3": round(recall["eval/gold_recall@3"], 4),
+            "encoder GFLOP/s on (a)": round(flops[0], 1), "encoder share of peak on (a)": round(flops[1], 3)}
+
+
+def record_run(args: argparse.Namespace, ours: dict[str, object], base: dict[str, object],
+               flops: dict[str, tuple[float, float]], real_peer: bool) -> None:
+    """The run's record: sisrl's figures against the baseline's, and which of the targets (a)-(d) it met."""
+    mine, theirs = run_figures(ours, flops["sisrl"]), run_figures(base, flops["peer"])
+    ratio = {"(a)": mine["(a) q/s"] / theirs["(a) q/s"], "(b)": mine["(b) q/s"] / theirs["(b) q/s"],
+             "(c)": mine["(c) p99 ms"] / theirs["(c) p99 ms"]}
+    met = [name for name, ok in (("(a)", ratio["(a)"] >= 3), ("(b)", ratio["(b)"] >= 6), ("(c)", ratio["(c)"] <= 0.25),
+                                 ("(d)", mine["(d) / (a)"] >= 0.8 and mine["(d) p99 / p50"] <= 2))
+           if ok]
+    targets = "all four" if len(met) == 4 else ", ".join(met) or "none"
+    documented = (args.seconds, args.clients, args.many_clients, args.requests) == (30.0, 8, 200, 3)
+    peer = "Search-R1's own retrieval_server.py (bench/search_r1_cpu.py)" if real_peer else \
+        "bench/baseline_retriever.py (Search-R1's serving algorithm)"
+    write_record(
+        bench="retriever_search_r1" if real_peer else "retriever",
+        title="Retriever vs Search-R1's own server" if real_peer else "Retriever vs a Search-R1-style server",
+        measures=f"sisrl-retriever against {peer} on the same index and encoder, servers started one at a time: "
+                 "(a) requests of 256 unique questions, (b) 64 questions x 5 copies, (c) 8 one-query clients, (d) "
+                 "200 one-query clients. Targets: (a) >= 3x the baseline's q/s, (b) >= 6x, (c) p99 <= 1/4 of the "
+                 "baseline's, (d) req/s >= 0.8x the same server's (a) q/s with p99 <= 2x p50.",
+        summary=f"sisrl served (a) at {ratio['(a)']:.2f}x and (b) at {ratio['(b)']:.1f}x the baseline's q/s, (c) "
+                f"at {ratio['(c)']:.2f} of its p99, (d) at {mine['(d) / (a)']:.2f} of its own (a) with p99/p50 "
+                f"{mine['(d) p99 / p50']:.2f}: targets met: {targets}.",
+        figures={**mine, "targets met": targets},
+        baseline={"what": f"{'Search-R1' if real_peer else 'the stand-in'}, same run", "figures": theirs},
+        notes=f"index {args.index.name}; (c) {args.clients} clients, (d) {args.many_clients}, {args.seconds:g} s "
+              f"each; (a), (b) {args.requests} requests; sisrl encoder {ours.get('encoder_backend')} "
+              f"{ours.get('encoder_dtype')} ({ours.get('encoder_forward')} forward), --backend {args.backend}; "
+              f"OMP threads {args.threads or 'inherited'}",
+        headline={"row": "Retriever vs a Search-R1-style server: (a) q/s, targets (a)-(d) met", "rank": 2,
+                  "value": f"(a) **{ratio['(a)']:.2f}x**; {targets}"}
+        if documented and not real_peer else None)  # the documented workloads against the stand-in only
 
 
 if __name__ == "__main__":

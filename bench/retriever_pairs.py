@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from bench_module import bench_retriever
+from record import write_record
 from sisrl.common.hardware import cpu_model
 from sisrl.common.procs import launch, wait_healthy
 
@@ -72,7 +73,37 @@ def main() -> int:
         c_cols = f"{col('c', '.0f')} | {col('c_p99_ms', '.0f')} | " if args.clients else ""
         print(f"| {name} | `{' '.join(options) or 'defaults'}` | {col('a', '.0f')} | {c_cols}{col('d', '.0f')} | "  # noqa: T201
               f"{col('ratio', '.2f')} | {col('p99/p50', '.2f')} | {col('long/short', '.2f')} | {col('rss_mib', '.0f')} |")
+    record_pairs(args, sets, runs)
     return 0
+
+
+LABELS = {"a": "(a) q/s", "c": "(c) req/s", "c_p99_ms": "(c) p99 ms", "d": "(d) req/s", "ratio": "(d) / (a)",
+          "p99/p50": "(d) p99 / p50", "long/short": "(d) long / short p50", "rss_mib": "peak RSS MiB"}
+
+
+def record_pairs(args: argparse.Namespace, sets: dict[str, list[str]], runs: dict[str, list[dict[str, float]]]) -> None:
+    """Set B's means against set A's (the baseline, alternating with it in the same run), every run in the table."""
+    def means(name: str) -> dict[str, float]:
+        return {LABELS[k]: round(statistics.mean(r[k] for r in runs[name]), 3) for k in LABELS if k in runs[name][0]}
+
+    b, a = means("B"), means("A")
+    options = {name: " ".join(opts) or "defaults" for name, opts in sets.items()}
+    rows = [[name, options[name], i + 1, *(round(r[k], 3) for k in LABELS if k in r)]
+            for name in sets for i, r in enumerate(runs[name])]
+    write_record(
+        bench="retriever_pairs", title="Retriever option sets in alternating pairs",
+        measures="Two option sets of sisrl-retriever serve, a fresh server per run, alternating so that drifts "
+                 "of the machine hit both: (a) q/s over 8 requests of 256 questions, optionally (c) one-query "
+                 "clients, then (d) 200 one-query clients (req/s, p99/p50, long/short: the median latency of the "
+                 "longest quarter of queries over the shortest's), and peak RSS.",
+        summary=f"`{options['B']}` against `{options['A']}`, mean of {args.pairs} pairs: (a) {b['(a) q/s']:.0f} "
+                f"against {a['(a) q/s']:.0f} q/s, (d) {b['(d) req/s']:.0f} against {a['(d) req/s']:.0f} req/s.",
+        figures={"options": options["B"], **b},
+        baseline={"what": f"set A (`{options['A']}`), alternating in the same run",
+                  "figures": {"options": options["A"], **a}},
+        table={"columns": ["set", "options", "run", *(LABELS[k] for k in LABELS if k in runs["A"][0])],
+               "rows": rows},
+        notes=f"index {args.index.name}; (d) {args.seconds:g} s" + (f", (c) {args.clients} clients" if args.clients else ""))
 
 
 if __name__ == "__main__":

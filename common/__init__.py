@@ -1,2 +1,2 @@
-"""The leaf the three parts share (DESIGN.md): it imports nothing of `sisrl.retriever`, `sisrl.services` or
-`sisrl.trainer`."""
+"""The leaf the three parts share (docs/design.md, "Parts"): it imports nothing of `sisrl.retriever`,
+`sisrl.services` or `sisrl.trainer`."""

@@ -1,5 +1,6 @@
-"""Crash-safe writes (DESIGN.md: "write to a temp name, then rename"): a reader never sees a half-written file
-or directory, and an interrupted writer leaves only a dot-named temp sibling that the next run replaces.
+"""Crash-safe writes (docs/design.md, "Cross-cutting rules": write to a temp name, then rename): a reader never
+sees a half-written file or directory, and an interrupted writer leaves only a dot-named temp sibling that the
+next run replaces.
 
 POSIX rename is atomic within one filesystem, so every temp name lies beside its target.
 """

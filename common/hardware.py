@@ -1,8 +1,8 @@
-"""Dtype by hardware: bf16 only where it is native, fp32 elsewhere (DESIGN.md, "Dtypes follow the hardware").
+"""Dtype by hardware: bf16 only where it is native, fp32 elsewhere (docs/design.md, "Defaults").
 
-A CPU without native bf16 emulates it, and there bf16 is the slow choice: on an AVX2-only AMD EPYC the E5
-build ran at 1.0 passage/s in bf16 against ~7.5 in fp32, while an Intel Xeon with AMX-BF16 ran bf16 2.6x faster
-than fp32. So `auto` looks at the device and the CPU's flags, never at a guess.
+A CPU without native bf16 emulates it, and there bf16 is several times slower than fp32, while a CPU with
+AMX-BF16 runs bf16 faster than fp32 (figures: docs/results.md). So `auto` looks at the device and the CPU's
+flags, never at a guess.
 """
 
 from __future__ import annotations

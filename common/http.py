@@ -1,5 +1,5 @@
-"""The HTTP layer every sisrl service shares (DESIGN.md, "Every HTTP service"): request ids, one JSON access-log
-line per request, Prometheus request metrics, the request body limit, and the optional bearer token.
+"""The HTTP layer every sisrl service shares (docs/design.md, "Cross-cutting rules"): request ids, one JSON
+access-log line per request, Prometheus request metrics, the request body limit, and the optional bearer token.
 
 Rules, the same for the retriever, the gateway and the policy server:
 - `X-Request-ID`: the client's value when it matches `[A-Za-z0-9._-]{1,64}`, else a new 32-hex id; echoed in

@@ -11,8 +11,8 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
     `x` and `mask` have the same shape (usually [batch, time]); `mask` is bool or 0/1 float (the loss mask).
     Masked positions are selected away with `torch.where`, never multiplied by 0: NaN * 0 is NaN, so a NaN or
-    inf at a masked position (a retrieved-passage token) would otherwise reach the mean (DESIGN.md: masked
-    tokens count nowhere).
+    inf at a masked position (a retrieved-passage token) would otherwise reach the mean (docs/design.md,
+    "Masking": masked tokens count nowhere).
     """
     if x.shape != mask.shape:
         raise ValueError(f"masked_mean: x shape {tuple(x.shape)} != mask shape {tuple(mask.shape)}")

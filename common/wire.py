@@ -1,4 +1,4 @@
-"""Constants of the wire contracts between the parts (DESIGN.md, "Wire contracts"): one definition each.
+"""Constants of the wire contracts between the parts (docs/design.md, "Wire contracts"): one definition each.
 
 A part reads these instead of restating them, so the trainer's defaults, the gateway's limits and the
 engines' conventions cannot drift apart.

@@ -27,7 +27,7 @@ def encode_plan(settings: Settings) -> tuple[int, int]:
 
     On a CPU, one worker per core with one intra-op thread each beat one worker with a team of one thread per
     core, torch and ONNX Runtime alike: no OpenMP barrier waits for a thread the event loop has descheduled
-    (AMD EPYC Zen 5, 2 cores, bench/retriever.py workloads: docs/retriever.md, "Serve"). A GPU gets one worker."""
+    (bench/retriever.py; figures: docs/results.md). A GPU gets one worker."""
     gpu = settings.device not in ("auto", "cpu") or settings.faiss_gpu
     workers = settings.encode_workers or (1 if gpu else len(os.sched_getaffinity(0)))
     threads = settings.torch_threads or (1 if workers > 1 else 0)

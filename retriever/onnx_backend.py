@@ -2,7 +2,7 @@
 
 Why: on a CPU a retriever process that imports sentence-transformers spends ~13 s importing it (torch,
 transformers, scikit-learn, SciPy, pandas); with ONNX Runtime + the `tokenizers` library it is up in ~1.5 s,
-and short query batches run ~1.2x faster on the AVX2 CPU measured (README, "ONNX encoder"). Embeddings are
+and short query batches run faster on a CPU without native bf16 (figures: docs/results.md). Embeddings are
 the torch backend's to float32 rounding (tests/retriever/test_onnx_backend.py), so one index serves both.
 
 The export (`exported_model`) loads the model with sentence-transformers once, on first use, and writes into

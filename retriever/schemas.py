@@ -1,5 +1,5 @@
 """Wire models of the retrieval server; the shapes are Search-R1's (`search_r1/search/retrieval_server.py`),
-which verl's SearchTool and SkyRL's search env also send and parse (DESIGN.md, "Wire contracts")."""
+which verl's SearchTool and SkyRL's search env also send and parse (docs/design.md, "Retrieval")."""
 
 from __future__ import annotations
 

@@ -110,9 +110,9 @@ def worker_chunks(lengths: list[int], groups: int, pack_chars: int) -> list[list
     the encoder packs (`pack_chars` > 0: a chunk of one query, or of queries of at most that many characters each,
     runs unpadded and costs its total) `packed_chunks` when its slowest chunk costs less.
 
-    Over 500 batches of 8 pool questions on two workers (e5 tokens, packed in `traced.plan_rows`' rows,
-    `bench/chunk_padding.py`): the slowest chunk p50 / p99 95 / 134 tokens cut as balanced neighbours, 92 / 122 by
-    totals, 87 / 115 for an even split."""
+    For batches of a few pool questions on two workers, cutting by totals leaves the slowest chunk fewer tokens
+    than cutting balanced neighbours does, close to an even split (`bench/chunk_padding.py`; figures:
+    docs/results.md)."""
     balanced = balanced_chunks(lengths, groups)
     if pack_chars <= 0:
         return balanced
@@ -316,8 +316,8 @@ class RetrievalService:
         the window once if there is room, then take what arrived meanwhile. Closing early: closed-loop clients (an
         RL rollout's tool calls) come back in the groups they were answered in, so once the group is in, the rest
         of the window only delays it; a smaller group waits the window out as before, so batches do not split up.
-        Under 8 one-query clients the window's unused ~2 ms were ~4 % of each batch's round trip (AMD EPYC Zen 4,
-        docs/retriever.md, "Why it is fast for RL")."""
+        Under a few one-query clients the window's unused ~2 ms are a few percent of each batch's round trip
+        (figures: docs/results.md)."""
         batch = [await queue.get()]
         size = len(batch[0].queries)
         loop = asyncio.get_running_loop()
@@ -355,7 +355,7 @@ class RetrievalService:
         came before it. W = 0: the whole batch shortest first: least padding, but the longest queries of every
         batch go last, miss the next batch and wait about twice as long. W = 1 is fairest; where the encoder pads,
         W = 2 (the default there) keeps most of W = 0's throughput; where it packs, W = 1 costs no padding and is
-        the default (measured: docs/retriever.md, "FIFO across requests")."""
+        the default (figures: docs/results.md)."""
         if self.fifo_window <= 0:
             return lambda i: (0, len(unique[i]))
         window = self.fifo_window * size
@@ -378,12 +378,12 @@ class RetrievalService:
         each piece spread over the workers in length-balanced chunks, all submitted at once so no worker waits
         for the event loop; a request is answered when its last query's piece is done. Without it, when the whole
         batch is: then all its clients reply at once and the encoder idles while the loop reads their next
-        requests, so batches come in synchronised waves (measured under 200 one-query clients).
+        requests, so batches come in synchronised waves (as seen under many one-query clients).
 
         A piece is answered as a whole, not chunk by chunk: under a few one-query clients, answering the chunk of
         short queries first sent those clients' next requests while the other worker still had the long chunk, so
-        half of the next batch queued behind it (in-process, 8 clients, AMD EPYC Zen 4: p99 86-90 ms against
-        66-73 ms answered per piece)."""
+        half of the next batch queued behind it and the p99 latency rose by about a quarter against answering per
+        piece."""
         flat = [q for pending in batch for q in pending.queries]
         unique = list(dict.fromkeys(flat)) if self.options.dedupe else flat
         k_max = max(pending.k for pending in batch)

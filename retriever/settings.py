@@ -9,7 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sisrl.common.wire import RETRIEVER_PORT
 from sisrl.retriever.encoder import BACKENDS, DTYPES
 
-MAX_TOPK = 100  # the wire limit on `topk` (issue 3: topk outside 1..100 is a 4xx)
+MAX_TOPK = 100  # the wire limit on `topk`: outside 1..100 is a 422 (docs/design.md, "Retrieval")
 
 
 class Settings(BaseSettings):

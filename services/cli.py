@@ -10,7 +10,7 @@ from sisrl.common.cli import add_options, field_options, flag_problems, given
 from sisrl.common.procs import port_problem
 from sisrl.services.settings import GatewaySettings
 
-_ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # the short names of the command
+_ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # short flags of the documented command
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ in flight. One that fails (transport error, timeout, 429, 5xx) is marked down fo
 retried at once on another; a down one is probed back (`GET /health`) once its time is up, before it gets
 queries again. Only when every retriever is down does a retry wait out the backoff; a request that fails on
 all of them for `retry.retries + 1` attempts raises `RetrievalError` naming each one's last reason.
-Wire format: DESIGN.md "Wire contracts" (Search-R1 `retrieval_server.py` request/response shapes).
+Wire format: docs/design.md, "Retrieval" (Search-R1 `retrieval_server.py` request/response shapes).
 """
 
 from __future__ import annotations

@@ -12,11 +12,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from sisrl.services import store
-from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, TurnBarrier, run_agent
+from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, run_agent
 from sisrl.services.claims import Claims, LocalClaims
 from sisrl.services.engines.base import Engine, SamplingParams
 from sisrl.services.engines.pool import for_trajectory
@@ -142,15 +141,13 @@ class BatchRunner:
         finally:
             self._set_pending(self.pending - 1)
 
-    async def rollout(self, item: RolloutItem, request: RolloutCreate, *, seed: int | None,
-                      barrier: TurnBarrier | None = None) -> Rollout:
+    async def rollout(self, item: RolloutItem, request: RolloutCreate, *, seed: int | None) -> Rollout:
         s = request.sampling
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 logprobs_k=s.logprobs_k, seed=seed)
         limits = AgentLimits(max_turns=request.max_turns, max_response_tokens=self.deps.max_response_tokens)
         return await run_agent(engine=for_trajectory(self.deps.engine), searcher=self.deps.searcher, protocol=self.deps.protocol,
-                               question=item.question, params=params, limits=limits, clock=self.deps.clock,
-                               barrier=barrier)
+                               question=item.question, params=params, limits=limits, clock=self.deps.clock)
 
     def to_trajectory(self, batch_id: str, request: RolloutCreate, item: RolloutItem, sample_index: int,
                       rollout: Rollout) -> Trajectory:
@@ -177,21 +174,3 @@ class BatchRunner:
     def _store(self, trajectory: Trajectory, sample_index: int) -> None:
         with self.deps.sessions() as session:
             store.add_trajectory(session=session, trajectory=trajectory, sample_index=sample_index)
-
-
-async def run_turn_synchronous(runner: BatchRunner, request: RolloutCreate, *, concurrency: int,
-                               on_done: Callable[[Trajectory], None]) -> None:
-    """Benchmark baseline (verl / Search-R1 style): groups of `concurrency` trajectories advance turn by turn
-    in lock step, and the next group starts when the whole group has finished. Nothing is stored."""
-    pairs = [(i, s) for i in range(len(request.items)) for s in range(request.samples_per_item)]
-
-    async def one(i: int, s: int, barrier: TurnBarrier) -> None:
-        item = request.items[i]
-        seed = sample_seed(request.sampling.seed, i * request.samples_per_item + s)
-        rollout = await runner.rollout(item, request, seed=seed, barrier=barrier)
-        on_done(runner.to_trajectory("sync", request, item, s, rollout))
-
-    for first in range(0, len(pairs), concurrency):
-        group = pairs[first : first + concurrency]
-        barrier = TurnBarrier(len(group))
-        await asyncio.gather(*(one(i, s, barrier) for i, s in group))

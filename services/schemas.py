@@ -1,6 +1,6 @@
 """Request and response models of the gateway API, per role, with field limits.
 
-Field names are the trainer's contract (DESIGN.md "Wire contracts"); change them only together with it.
+Field names are the trainer's contract (docs/design.md, "Wire contracts"); change them only together with it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class SamplingIn(_Strict):
     """Sampling parameters for every generation of the batch."""
 
     max_new_tokens: int = Field(default=256, ge=1, le=4096, description="tokens per generation (one turn)")
-    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0,
+                               description="0 = greedy decoding (q is then reported at temperature 1, as vLLM does)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     logprobs_k: int = Field(default=DEFAULT_LOGPROBS_K, ge=1, le=MAX_LOGPROBS_K,
                             description="top-K recorded per sampled token")
@@ -227,7 +228,7 @@ _F32 = Annotated[float, Field(ge=-F32_LIMIT, le=F32_LIMIT, allow_inf_nan=False)]
 
 class SisRecordIn(_Strict):
     """The trainer's SIS decisions for one trajectory, from its last mini-batch pass: one entry per response
-    token in every array (DESIGN.md, "Selective Importance Sampling")."""
+    token in every array (docs/design.md, "SIS records")."""
 
     trajectory_id: str = _ID
     policy_version: int = Field(ge=0, le=10**9, description="version of pi_theta the decisions were made with")

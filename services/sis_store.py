@@ -2,9 +2,9 @@
 reads, per-step statistics and per-token counts. One SQLAlchemy code path for SQLite and Postgres.
 
 Each record is checked against its trajectory before anything is written: the same run, one entry per response
-token, and no decision (status 0, 1, 2) on a token the environment inserted (loss mask 0; DESIGN.md: those
-count nowhere). D and D_SIS are computed here with l_t = logp_t - behaviour_logprobs_t, i.e. against the
-behaviour log-probs the engine recorded (the `rollout` source of q). Functions are keyword-only.
+token, and no decision (status 0, 1, 2) on a token the environment inserted (loss mask 0; docs/design.md,
+"Masking": those count nowhere). D and D_SIS are computed here with l_t = logp_t - behaviour_logprobs_t, i.e.
+against the behaviour log-probs the engine recorded (the `rollout` source of q). Functions are keyword-only.
 """
 
 from __future__ import annotations

@@ -105,3 +105,31 @@ def test_every_package_folder_is_listed_for_setuptools() -> None:
     found = {name + "".join("." + part for part in init.parent.relative_to(ROOT / folder).parts)
              for name, folder in folders.items() for init in (ROOT / folder).rglob("__init__.py")}
     assert found == set(tool["packages"])
+
+
+def _declared_closure(extras: dict[str, list[str]], names: set[str]) -> set[str]:
+    """Canonical names of the requirements that `sisrl[NAMES]` declares, following `sisrl[...]` self-references."""
+    out: set[str] = set()
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in extras[name]:
+            req = Requirement(text)
+            if canonicalize_name(req.name) == "sisrl":
+                todo.extend(req.extras)
+            else:
+                out.add(canonicalize_name(req.name))
+    return out
+
+
+def test_no_set_of_extras_installs_two_faiss_builds() -> None:
+    """faiss-cpu and faiss-gpu both install the module `faiss`: asked for together, one overwrites the other's
+    files. Every part that searches pulls faiss-cpu, so no extra may name faiss-gpu (docs/common.md)."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    everything = _declared_closure(extras, set(extras))
+    assert "faiss-cpu" in everything  # the check sees faiss when it is pulled
+    assert {n for n in everything if n.startswith("faiss")} == {"faiss-cpu"}

@@ -41,11 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--api-token", default=None, help="gateway bearer token")
     e.add_argument("--limit", type=int, default=None, help="at most this many questions per file")
     e.add_argument("--version", type=int, default=None, help="policy version to announce (default: the checkpoint's step)")
-    e.add_argument("--temperature", type=float, default=0.01, help="sampling temperature (the gateway needs > 0)")
-    e.add_argument("--max-new-tokens", type=int, default=RolloutConfig().max_new_tokens, help="tokens per turn")
-    e.add_argument("--max-turns", type=int, default=RolloutConfig().max_turns, help="search turns at most")
-    e.add_argument("--logprobs-k", type=int, default=AlgorithmConfig().logprobs_k,
-                   help="K of the behaviour top-K the gateway records (algorithm.logprobs_k; not passages per search)")
+    e.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"tokens per turn (unset: the run's rollout.max_new_tokens, else {RolloutConfig().max_new_tokens})")
+    e.add_argument("--max-turns", type=int, default=None,
+                   help="generations per trajectory; each search and the answer is one (unset: the run's "
+                        f"rollout.max_turns, else {RolloutConfig().max_turns})")
+    e.add_argument("--logprobs-k", type=int, default=None,
+                   help="K of the behaviour top-K the gateway records, not passages per search (unset: the run's "
+                        f"algorithm.logprobs_k, else {AlgorithmConfig().logprobs_k})")
     p = sub.add_parser("plot", help="PNG curves of RUN_DIR/metrics.jsonl into RUN_DIR/plots", formatter_class=fmt)
     p.add_argument("run_dir", type=Path, help="a run directory holding metrics.jsonl")
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
@@ -101,20 +105,41 @@ def _eval(args: argparse.Namespace) -> int:
     from sisrl.trainer.evaluate import evaluate, export_hf
     from sisrl.trainer.gateway_client import GatewayClient
 
+    rollout, k = eval_settings(args)
     hf_dir = export_hf(args.checkpoint)
     version = args.version
     if version is None:
         state = args.checkpoint / "trainer_state.json"
         version = json.loads(state.read_text())["policy_version"] if state.is_file() else 0
     items = [it for path in args.data for it in load_items(path, limit=args.limit)]
-    rollout = RolloutConfig(gateway_url=args.gateway_url, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns)
     client = GatewayClient(args.gateway_url, token=args.api_token)
     client.push_policy(hf_dir.resolve(), version)
     result = evaluate(client, items, run=f"eval-{hf_dir.parent.name}", step=version, version=version, cfg=rollout,
-                      k=args.logprobs_k, seed=0, temperature=args.temperature)
+                      k=k, seed=0, temperature=args.temperature)
     for key, value in result.items():
         print(f"{key:32s} {value:8.4f}")
     return 0
+
+
+def eval_settings(args: argparse.Namespace) -> tuple[RolloutConfig, int]:
+    """The rollout settings and K for `eval`: each flag given wins, then the run that wrote the checkpoint, then
+    the defaults. The run's own limits matter: a policy trained to search twice, evaluated with fewer
+    generations, never gets to answer."""
+    from sisrl.trainer.evaluate import run_config
+
+    found = run_config(args.checkpoint)
+    run = found[0] if found else {}
+    rollout_run, algo_run = run.get("rollout", {}), run.get("algorithm", {})
+    picked = {
+        "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else rollout_run.get("max_new_tokens"),
+        "max_turns": args.max_turns if args.max_turns is not None else rollout_run.get("max_turns"),
+    }
+    rollout = RolloutConfig(gateway_url=args.gateway_url, **{k: v for k, v in picked.items() if v is not None})
+    k = args.logprobs_k if args.logprobs_k is not None else algo_run.get("logprobs_k", AlgorithmConfig().logprobs_k)
+    source = f"the run's config ({found[1]})" if found else "the defaults (no run config found)"
+    print(f"eval: max_turns={rollout.max_turns} max_new_tokens={rollout.max_new_tokens} logprobs_k={k} "
+          f"temperature={args.temperature} (unset flags from {source})", file=sys.stderr)
+    return rollout, int(k)
 
 
 def _plot(args: argparse.Namespace) -> int:

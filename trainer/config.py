@@ -61,7 +61,8 @@ class RolloutConfig(_Section):
     prompts_per_step: int = Field(default=4, ge=1, description="questions per rollout batch")
     samples_per_prompt: int = Field(default=4, ge=1, description="trajectories per question (the GRPO group size)")
     max_new_tokens: int = Field(default=128, ge=1, description="generated tokens per turn at most")
-    max_turns: int = Field(default=2, ge=1, description="search turns per trajectory at most")
+    max_turns: int = Field(default=2, ge=1, description="generations per trajectory at most: each search turn and "
+                           "the answer turn is one, so N allows N - 1 searches and an answer (the gateway's max_turns)")
     temperature: float = Field(default=1.0, gt=0, description="sampling temperature (the trainer evaluates pi_theta at the same temperature)")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass for sampling; must be 1.0 with gateway "
                          "rollouts (pi is evaluated at the temperature only, on the full vocabulary)")

@@ -1,8 +1,9 @@
 """Evaluation through the gateway: EM / F1 per data source of one policy on question files.
 
 `sisrl-train eval --checkpoint PATH --data FILE` pushes the checkpoint's weights to the gateway (a trainer
-checkpoint is first exported as a Hugging Face directory), rolls out every question once at a near-greedy
-temperature, and reports the mean EM and F1 per data source.
+checkpoint is first exported as a Hugging Face directory), rolls out every question once, greedily (temperature
+0), and reports the mean EM and F1 per data source. The turn limits and K default to those of the run that wrote
+the checkpoint (`run_config`), so a checkpoint is evaluated under the protocol it was trained with.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -42,6 +44,24 @@ def export_hf(checkpoint: Path) -> Path:
     return save_hf_directory(model, tokenizer, out)
 
 
+def run_config(checkpoint: Path) -> tuple[dict[str, Any], Path] | None:
+    """The config of the run that wrote `checkpoint`, and the file it was read from; None for a directory that
+    no `sisrl-train` run wrote. A trainer checkpoint carries it (trainer_state.json); an exported or warm-started
+    HF directory (RUN_DIR/hf, RUN_DIR/policy/vN) finds it in RUN_DIR/config.json."""
+    state = checkpoint / STATE_FILE
+    if state.is_file():
+        return json.loads(state.read_text())["config"], state
+    for run_dir in (checkpoint.parent, checkpoint.parent.parent):
+        path = run_dir / "config.json"
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict) and isinstance(cfg.get("rollout"), dict):  # not a model's config.json
+            return cfg, path
+    return None
+
+
 def em_by_source(trajs: list[Trajectory]) -> dict[str, float]:
     groups: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
@@ -57,8 +77,9 @@ def em_by_source(trajs: list[Trajectory]) -> dict[str, float]:
 
 
 def evaluate(client: GatewayClient, items: list[QAItem], *, run: str, step: int, version: int, cfg: RolloutConfig,
-             k: int, seed: int, temperature: float = 0.01) -> dict[str, float]:
-    """One near-greedy sample per question at the policy the gateway serves now; EM / F1 per data source."""
+             k: int, seed: int, temperature: float = 0.0) -> dict[str, float]:
+    """One sample per question (greedy at temperature 0) from the policy the gateway serves now; EM / F1 per
+    data source."""
     eval_cfg = cfg.model_copy(update={"samples_per_prompt": 1, "temperature": temperature})
     batch_id = client.submit(run=f"{run}-eval", step=step, policy_version=version, items=items, cfg=eval_cfg, k=k,
                              seed=seed)

@@ -1,9 +1,10 @@
 """HTTP client of the rollout gateway (services/): submit a rollout batch, wait for it, push new weights.
 
-Wire contract (DESIGN.md, issue 4): `POST /v1/rollouts` -> {batch_id, status}; `GET /v1/batches/{id}` ->
+Wire contract (docs/design.md, "REST API"): `POST /v1/rollouts` -> {batch_id, status}; `GET /v1/batches/{id}` ->
 {status, progress, missing_items, trajectories}; `POST /v1/policy` {path, version}; `GET /health`;
 `GET /v1/rollouts?run=&data_source=&reward_min=&cursor=` -> {data, count, next_cursor}; `GET /v1/rollouts/{id}`;
-`POST /v1/sis_records` {run, step, records} (issue 13; at most MAX_SIS_RECORDS records a request).
+`POST /v1/sis_records` {run, step, records} (docs/design.md, "SIS records"; at most
+MAX_SIS_RECORDS records a request).
 """
 
 from __future__ import annotations

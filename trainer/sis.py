@@ -1,7 +1,8 @@
 """Selective Importance Sampling (SIS): the token-level accept/reject test, in pure torch.
 
 Source: "Turning Off-Policy Tokens On-Policy: A Plug-in Approach for Improving LLM Alignment" (arXiv 2607.04728).
-Notation (DESIGN.md): q behaviour policy, pi target policy, y_t sampled token, l_t = log pi(y_t) - log q(y_t).
+Notation (docs/design.md, "Selective Importance Sampling"): q behaviour policy, pi target policy, y_t sampled
+token, l_t = log pi(y_t) - log q(y_t).
 Shapes: B batch, T response time steps, V vocabulary, K behaviour top-K. No I/O, no config, no `.item()`.
 """
 
@@ -47,7 +48,7 @@ def token_and_topk_logprobs(
     """
     ids = torch.cat([token_ids.unsqueeze(-1), topk_ids], dim=-1)  # [B, T, 1 + K]
     both = gather_logprobs(logits, ids, temperature, chunk_size)
-    # M_t is computed without gradient (DESIGN.md), so the top-K part is detached.
+    # M_t is computed without gradient (docs/design.md), so the top-K part is detached.
     return both[..., 0], both[..., 1:].detach()
 
 
@@ -106,8 +107,9 @@ def sis_log_ratio(
 
     logp [B, T] current log pi(y_t) (with grad); logq [B, T] behaviour log q(y_t); topk_logp, topk_logq [B, T, K]
     log pi and log q at q's top-K ids; in_topk [B, T] bool; mask [B, T] (1 = policy token); generator seeds u.
-    Formulas (DESIGN.md): M_t = max_{v in V_K} pi(v)/q(v); accept iff y_t in V_K and u <= w_t / M_t, u ~ U(0,1),
-    w_t = exp(l_t). Accepted: r_t = exp(logp - sg(logp)); rejected: r_t = exp(logp - logq).
+    Formulas (docs/design.md, "Selective Importance Sampling"): M_t = max_{v in V_K} pi(v)/q(v); accept iff
+    y_t in V_K and u <= w_t / M_t, u ~ U(0,1), w_t = exp(l_t). Accepted: r_t = exp(logp - sg(logp)); rejected:
+    r_t = exp(logp - logq).
     """
     valid = mask.bool()
     log_w = (logp - logq).detach()  # l_t

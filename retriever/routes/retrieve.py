@@ -1,4 +1,4 @@
-"""POST /retrieve: Search-R1's retrieval endpoint (DESIGN.md, "Wire contracts")."""
+"""POST /retrieve: Search-R1's retrieval endpoint (docs/design.md, "Retrieval")."""
 
 from __future__ import annotations
 

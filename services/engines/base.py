@@ -1,9 +1,9 @@
 """The one async interface every inference engine implements (token-in, token-out).
 
 An engine takes prompt token ids and sampling parameters and returns the sampled token ids together with what
-SIS needs about the behaviour policy q (DESIGN.md, "The algorithm"): log q(y_t) of every sampled token and the
-top-K ids / log-probs of q at every generated position. q is the distribution the token was actually sampled
-from, i.e. after temperature and top-p. Nothing is ever decoded and re-tokenised.
+SIS needs about the behaviour policy q (docs/design.md, "Behaviour top-K"): log q(y_t) of every sampled token
+and the top-K ids / log-probs of q at every generated position. q is the distribution the token was actually
+sampled from, i.e. after temperature and top-p. Nothing is ever decoded and re-tokenised.
 
 Conventions shared by all engines:
 - Log-probs are clamped below at `MIN_LOGPROB` (-9999.0, the floor vLLM's OpenAI server also uses), so tokens

@@ -1,8 +1,8 @@
 """Pure sampling math shared by the local engine: the processed distribution q, sampling, top-K, stop strings.
 
-q is the distribution a token is actually drawn from (DESIGN.md): logits / temperature, then top-p masking
-(removed tokens get -inf), renormalised with log-softmax. Greedy rows (temperature 0) use temperature 1 and no
-top-p. Shapes: B = rows, V = vocabulary, K = recorded top-K.
+q is the distribution a token is actually drawn from (docs/design.md, "Behaviour top-K"): logits / temperature,
+then top-p masking (removed tokens get -inf), renormalised with log-softmax. Greedy rows (temperature 0) use
+temperature 1 and no top-p. Shapes: B = rows, V = vocabulary, K = recorded top-K.
 """
 
 from __future__ import annotations

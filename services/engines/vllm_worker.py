@@ -17,7 +17,7 @@ engine started from, and a refused checkpoint raises before any weight is touche
 Tied embeddings: vLLM's layerwise reload processes a tied parameter for one of its layers only
 (`vllm/model_executor/model_loader/reload/__init__.py`, limitation 2). The tensor is shared, but the CPU
 build's `lm_head` keeps the GEMM handle it packed from the old embedding at start-up (`dispatch_cpu_unquantized_gemm`),
-so a reload would change the inputs' embeddings and not the output layer (measured: log-probs 0.12 off the
+so a reload would change the inputs' embeddings and not the output layer (log-probs then come out ~0.12 off the
 new weights). After the reload the head's own post-load processing runs again (a no-op on GPU).
 """
 

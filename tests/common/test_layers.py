@@ -1,5 +1,6 @@
-"""DESIGN.md's layering, read from the source with `ast`: each part (retriever, services, trainer) imports only
-itself and `sisrl.common`; `sisrl.common` imports none of the parts. bench/ and tests/ are exempt."""
+"""The layering of docs/design.md ("Data flow"), read from the source with `ast`: each part (retriever,
+services, trainer) imports only itself and `sisrl.common`; `sisrl.common` imports none of the parts. bench/ and
+tests/ are exempt."""
 
 from __future__ import annotations
 

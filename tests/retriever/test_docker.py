@@ -1,5 +1,5 @@
 """docker-compose.yml and Dockerfile: valid for the compose tool when one is installed (no engine needed), and
-always checked for what the issue asks: a `retriever` service that builds from a mounted corpus, then serves,
+always checked for what the image must offer: a `retriever` service that builds from a mounted corpus, then serves,
 with a healthcheck on /health, and a command our own CLI accepts."""
 
 from __future__ import annotations

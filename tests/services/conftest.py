@@ -1,5 +1,5 @@
 """Fixtures of the gateway tests: a tiny policy on disk, a real retriever over shared passages, gateways
-started as real uvicorn subprocesses on free loopback ports, and a private PostgreSQL server (sisrl.services.pg_cluster)."""
+started as real uvicorn subprocesses on free loopback ports, and a private PostgreSQL server (tests/utils/pg_cluster.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import httpx
 import pytest
 import torch
 from sisrl.common.procs import Service, free_port, launch_module, stop_process, wait_healthy
-from sisrl.services.pg_cluster import Cluster, Unavailable, start_cluster
+
+from tests.utils.pg_cluster import Cluster, Unavailable, start_cluster
 
 GATEWAY_TOKEN = "test-token-123456"
 NQ_QUESTIONS = 6  # nq/dev questions whose gold passages go into the small index

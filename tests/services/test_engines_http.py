@@ -325,7 +325,7 @@ def test_schemathesis_all_checks_on_the_policy_server_with_a_token(policy_server
                      phases="examples,fuzzing", seed=2, also_accept=POLICY_ACCEPTS)
 
 
-# --- failure handling of the vLLM-HTTP engine (issue 11): a scripted transport stands in for the failing server --
+# --- failure handling of the vLLM-HTTP engine: a scripted transport stands in for the failing server ---------
 
 
 def _completion_json(token: int = 4) -> dict[str, Any]:

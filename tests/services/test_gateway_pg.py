@@ -1,4 +1,4 @@
-"""Two gateways on one real PostgreSQL server (sisrl.services.pg_cluster), each a real `sisrl-gateway serve` process
+"""Two gateways on one real PostgreSQL server (tests/utils/pg_cluster.py), each a real `sisrl-gateway serve` process
 on loopback with the tiny policy: a batch submitted through both at once is one batch; listing, stats and batch
 status read the same from either; and the fault drill: 64 trajectories through one gateway, that gateway
 SIGKILLed mid-batch, the same idempotency key through the other. Every trajectory is then stored exactly once,
@@ -19,11 +19,11 @@ import httpx
 import pytest
 from sisrl.common.procs import free_port
 from sisrl.services import store
-from sisrl.services.pg_cluster import Cluster
 from sisrl.services.runner import trajectory_id
 from sqlalchemy import select
 
 from tests.services.conftest import Gateway, GatewayFactory
+from tests.utils.pg_cluster import Cluster
 
 # One trajectory at a time per gateway: a slow enough batch to kill mid-way, and engine passes of one row, so
 # a sample's floats do not depend on what else was in its batch (the clean run must match bit for bit).

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from sisrl.services.pg_cluster import Cluster
 from sisrl.services.schemas import RolloutCreate
+
+from tests.utils.pg_cluster import Cluster
 
 
 def _body(**item: Any) -> dict[str, Any]:

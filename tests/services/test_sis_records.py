@@ -50,7 +50,7 @@ def test_records_read_back_with_their_trajectory_and_replace_per_version(store_o
     for key in ("ratio", "logp", "log_m"):  # float32 values from the builder: exact round trip
         assert sis[key] == records[0][key]
     assert sis["summary"] == pytest.approx(_expected_summary(first, records[0]), rel=1e-12)
-    assert 0 < sis["summary"]["d_sis"] < sis["summary"]["d"]  # D_SIS <= D (DESIGN.md), strictly here
+    assert 0 < sis["summary"]["d_sis"] < sis["summary"]["d"]  # D_SIS <= D pathwise, strictly here
 
     again = sis_record(first, seed=9, policy_version=3)  # same (trajectory, version): replaces
     assert _post(store_only_gateway, [again]).json()["replaced"] == 1

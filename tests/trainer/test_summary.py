@@ -1,4 +1,4 @@
-"""`runs/demo/summary.json`: the schema the issue fixes, its table and its plot."""
+"""`runs/demo/summary.json`: its fixed schema (`trainer/summary.py`), its table and its plot."""
 
 from __future__ import annotations
 

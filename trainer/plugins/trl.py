@@ -4,10 +4,10 @@ Usage: replace `GRPOConfig`/`GRPOTrainer` by `SISGRPOConfig`/`SISGRPOTrainer`; `
 the new knobs. Three override points of TRL's trainer, nothing else:
 - `_generate_and_score_completions`: after TRL builds the generation batch, add the behaviour policy q per
   response token: `sis_logq` [B, T], `sis_topk_ids` [B, T, K], `sis_topk_logq` [B, T, K]. On the vLLM path
-  they come from the engine (`logprobs=K`, DESIGN.md `rollout` source); on the transformers path from a
-  no-grad forward of the weights that just generated (`recompute` source). TRL's
-  `shuffle_sequence_dict`/`split_tensor_dict` permute and split every tensor along the batch dimension, so
-  these keys follow their rows through the `num_iterations` reuse.
+  they come from the engine (`logprobs=K`, the `rollout` source of q: docs/design.md, "Staleness and the
+  source of q"); on the transformers path from a no-grad forward of the weights that just generated
+  (`recompute` source). TRL's `shuffle_sequence_dict`/`split_tensor_dict` permute and split every tensor along
+  the batch dimension, so these keys follow their rows through the `num_iterations` reuse.
 - `_compute_loss`: one forward for the logits of the completion, pi at the sampled token and at q's top-K ids
   (`sis.token_and_topk_logprobs`), the ratio from `losses.compute_log_ratio`, the loss from
   `losses.get_policy_loss`. The accept test is redone at every call with the current weights, so at every one

@@ -1,6 +1,7 @@
 """A throwaway PostgreSQL cluster for tests and benchmarks: `initdb` in a temp dir, `pg_ctl start` on a free
 loopback port, fresh databases on demand, `pg_ctl stop` and removal at the end. No server binary: `Unavailable`
-(the tests skip, saying so). Never for data you keep: durability is off.
+(the tests skip, saying so). Never for data you keep: durability is off. Tests import it as `tests.utils.pg_cluster`;
+bench/scale_out.py loads it by path (bench/bench_module.py).
 
 PostgreSQL refuses to run as root, so as root the server commands run as the `postgres` OS user (`runuser`)
 in a directory handed to that user. Durability is switched off (fsync, synchronous_commit, full_page_writes):

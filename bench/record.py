@@ -47,6 +47,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sisrl.common.hardware import cpu_fields
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SCHEMA = 1
@@ -82,21 +84,6 @@ def machine_kind(flags: Iterable[str], arch: str = "x86_64") -> str:
     return "x86"
 
 
-def _cpuinfo(path: Path) -> dict[str, str]:
-    """The first CPU's block of /proc/cpuinfo as {field: value}; {} where it cannot be read."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return {}
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip() and fields:
-            break
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
 def _int(text: str | None) -> int | None:
     return int(text) if text is not None and text.strip().isdigit() else None
 
@@ -105,7 +92,7 @@ def machine_info(cpuinfo: Path = Path("/proc/cpuinfo"), env: Mapping[str, str] |
     """This machine as the record's `machine`: CPU model, family/model, usable cores, SIMD flags, kind, the ISA
     caps in the environment, and `emulated_on` when bench/as_avx2.sh hid the real flags (its env vars)."""
     env = os.environ if env is None else env
-    fields = _cpuinfo(cpuinfo)
+    fields = cpu_fields(cpuinfo)
     flags = set(fields.get("flags", fields.get("Features", "")).split())
     arch = platform.machine()
     info: dict[str, Any] = {

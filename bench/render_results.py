@@ -4,9 +4,11 @@ docs/results.md: one section per bench (its title, what it measures), then for e
 record: its summary sentence, the machine, commit, date and command, its figures against the baseline of the same
 run (with the ratio where both have a figure of the same name), its table if it has one; then links to the older
 records of that bench. README.md: between `<!-- results:begin -->` and `<!-- results:end -->`, a table of the
-records that carry a `headline` (at most 8 rows, one column per machine kind, each cell the latest record's value
-linked to its section). The output depends on the records alone (no time of rendering), so `--check` can tell
-whether the committed files are current.
+records that carry a `headline` (at most 10 rows, one column per machine kind, each cell the latest record's value
+linked to its section). A page under docs/ may hold `<!-- results:BENCH:begin -->` ... `<!-- results:BENCH:end -->`:
+the latest record of BENCH per machine kind goes there (its summary, table and a link to its section), so a
+guide can show a measured table without a hand-written figure. The output depends on the records alone (no time
+of rendering), so `--check` can tell whether the committed files are current.
 
     .venv/bin/python bench/render_results.py            # write docs/results.md and the README block
     .venv/bin/python bench/render_results.py --check    # exit 1 naming each stale file (tests/test_results.py)
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,7 +29,8 @@ from record import KINDS, RESULTS, ROOT, load_record
 DOCS = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-MAX_HEADLINE_ROWS = 8
+MAX_HEADLINE_ROWS = 10
+BLOCK = re.compile(r"<!-- results:([a-z][a-z0-9_]*):begin -->.*?<!-- results:\1:end -->", re.DOTALL)
 RENDER_COMMAND = ".venv/bin/python bench/render_results.py"
 OTHER_KINDS = {"unknown": "the log did not name the machine", "mixed": "parts of the run on different machines"}
 
@@ -201,6 +205,42 @@ def render_headline(records: list[Record], docs: Path, readme: Path) -> str:
     return "\n".join(lines)
 
 
+def bench_block(records: list[Record], bench: str, page: Path, docs: Path) -> str:
+    """The block of `page` for `bench`, markers included: per machine kind, the latest record's summary, its
+    table (or figures) and a link to its section of docs/results.md."""
+    latest, _ = latest_per_kind([item for item in records if item[1]["bench"] == bench])
+    lines = [f"<!-- results:{bench}:begin -->", f"<!-- rendered by bench/render_results.py from bench/results/"
+                                                 f"{bench}/: edit the records, not this block -->", ""]
+    if not latest:
+        lines += [f"No record yet: run `bench/{bench}.py`.", ""]
+    for kind in kind_order(latest):
+        _, record = latest[kind]
+        where = f"{link(docs, page)}#{bench}-{kind}"
+        lines += [f"`{kind}` ({machine_line(record['machine'])}; {record['date'] or 'undated'}): "
+                  f"{record['summary']} [Record and command]({where}).", ""]
+        table = record["table"]
+        if table is not None:
+            lines += ["| " + " | ".join(cell(str(c)) for c in table["columns"]) + " |",
+                      "|" + "---|" * len(table["columns"])]
+            lines += ["| " + " | ".join(cell(fmt(v)) for v in row) + " |" for row in table["rows"]]
+        else:
+            lines += figures_table(record)
+        lines.append("")
+    return "\n".join([*lines, f"<!-- results:{bench}:end -->"])
+
+
+def render_pages(records: list[Record], docs: Path) -> dict[Path, str]:
+    """Every other page under docs/ that holds result blocks -> its text with the blocks rendered."""
+    out: dict[Path, str] = {}
+    for page in sorted(docs.parent.rglob("*.md")):
+        if page.resolve() == docs.resolve():
+            continue
+        text = page.read_text(encoding="utf-8")
+        if BLOCK.search(text):
+            out[page] = BLOCK.sub(lambda m, page=page: bench_block(records, m.group(1), page, docs), text)
+    return out
+
+
 def splice(readme_text: str, block: str, readme: Path) -> str:
     """`readme_text` with the part between the markers (markers included) replaced by `block`."""
     start, stop = readme_text.find(BEGIN), readme_text.find(END)
@@ -224,18 +264,24 @@ def check(results_dir: Path = RESULTS, docs: Path = DOCS, readme: Path = README)
     else:
         if spliced != text:
             problems.append(f"{readme}: the results block is not what the records render")
+    for page, rendered in render_pages(records, docs).items():
+        if page.read_text(encoding="utf-8") != rendered:
+            problems.append(f"{page}: a results block is not what the records render")
     return problems
 
 
 def render(results_dir: Path = RESULTS, docs: Path = DOCS, readme: Path = README) -> None:
-    """Write docs/results.md, and the README block between its markers (ValueError when it has none, after
-    writing docs/results.md)."""
+    """Write docs/results.md, the README block between its markers (ValueError when it has none, after
+    writing docs/results.md) and the result blocks of other pages under docs/."""
     records = load_records(results_dir)
     _write(docs, render_docs(records, docs))
     text = readme.read_text(encoding="utf-8")
     spliced = splice(text, render_headline(records, docs, readme), readme)
     if spliced != text:
         _write(readme, spliced)
+    for page, rendered in render_pages(records, docs).items():
+        if page.read_text(encoding="utf-8") != rendered:
+            _write(page, rendered)
 
 
 def _write(path: Path, text: str) -> None:

@@ -27,7 +27,8 @@ MAX_LOGPROBS_K = 100
 # adds `sis`: the newest SIS record, or null); the trainer reads a subset under the same names.
 TRAJECTORY_FIELDS = (
     "id", "batch_id", "item_id", "group_id", "run", "step", "data_source", "question", "golden_answers",
-    "prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "topk_ids", "topk_logprobs", "turns",
+    "prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "topk_ids", "topk_logprobs", "token_versions",
+    "turns",
     "finish_reason", "answer", "reward", "reward_parts", "policy_version", "timings", "error",
 )
 

@@ -5,7 +5,8 @@ in `<think>`, searches with `<search>query</search>`, receives `<information>...
 with `<answer>...</answer>`. An unparsable turn gets a corrective message; the loop stops after `max_turns`
 generations. The trajectory's ids are exactly the sampled ids plus the inserted ids (observations, corrective
 messages), each inserted piece tokenised once on its own; nothing is decoded and re-tokenised. Sampled tokens
-carry loss mask 1 and their behaviour log-prob / top-K; inserted tokens carry mask 0, 0.0 and zero rows.
+carry loss mask 1, their behaviour log-prob / top-K and the policy version that sampled them; inserted tokens
+carry mask 0, 0.0, zero rows and version -1.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Rollout:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # policy version per token; -1 = inserted
     turn_texts: list[str] = field(default_factory=list)
     valid_actions: int = 0
     searches: list[SearchTurn] = field(default_factory=list)
@@ -116,8 +118,9 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)
 
     def add_sampled(self, ids: list[int], logprobs: list[float], topk_ids: list[list[int]],
-                    topk_logprobs: list[list[float]]) -> None:
+                    topk_logprobs: list[list[float]], versions: list[int]) -> None:
         self.response_ids += ids
+        self.token_versions += versions
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.topk_ids += topk_ids
@@ -125,6 +128,7 @@ class Rollout:
 
     def add_inserted(self, ids: list[int]) -> None:
         self.response_ids += ids
+        self.token_versions += [-1] * len(ids)
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.topk_ids += [[0] * self.k for _ in ids]
@@ -176,7 +180,7 @@ async def _loop(engine: Engine, searcher: Searcher, protocol: SearchR1Protocol, 
             rollout.add_time("engine_s", time.perf_counter() - t0)
         if rollout.policy_version is None:
             rollout.policy_version = gen.policy_version
-        rollout.add_sampled(gen.token_ids, gen.logprobs, gen.topk_ids, gen.topk_logprobs)
+        rollout.add_sampled(gen.token_ids, gen.logprobs, gen.topk_ids, gen.topk_logprobs, gen.versions())
         text = protocol.decode(gen.token_ids)
         rollout.turn_texts.append(text)
         action = parse_action(text)

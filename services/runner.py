@@ -19,6 +19,7 @@ from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protoco
 from sisrl.services.claims import Claims, LocalClaims
 from sisrl.services.engines.base import Engine, SamplingParams
 from sisrl.services.engines.pool import for_trajectory
+from sisrl.services.load_gate import GatedEngine, LoadGate
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.rewards import RewardSpec, reward_spec, score_response
 from sisrl.services.schemas import RewardParts, RolloutCreate, RolloutItem, Trajectory, Turn
@@ -61,6 +62,7 @@ class BatchRunner:
     def __init__(self, deps: RunnerDeps, *, max_concurrency: int, claims: Claims | None = None) -> None:
         self.deps = deps
         self.claims: Claims = claims if claims is not None else LocalClaims()
+        self.gate = LoadGate(deps.engine)  # weight loads go through it (POST /v1/policy)
         self.pending = 0
         self._slots = asyncio.Semaphore(max_concurrency)
         self._batches: dict[str, set[asyncio.Task[None]]] = {}
@@ -126,7 +128,7 @@ class BatchRunner:
     async def _one(self, batch_id: str, request: RolloutCreate, item_index: int, sample_index: int) -> None:
         queued = time.perf_counter()
         try:
-            async with self._slots:
+            async with self._slots, self.gate.trajectory():
                 item = request.items[item_index]
                 ordinal = item_index * request.samples_per_item + sample_index
                 rollout = await self.rollout(item, request, seed=sample_seed(request.sampling.seed, ordinal))
@@ -146,7 +148,7 @@ class BatchRunner:
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 logprobs_k=s.logprobs_k, seed=seed)
         limits = AgentLimits(max_turns=request.max_turns, max_response_tokens=self.deps.max_response_tokens)
-        return await run_agent(engine=for_trajectory(self.deps.engine), searcher=self.deps.searcher, protocol=self.deps.protocol,
+        return await run_agent(engine=GatedEngine(for_trajectory(self.deps.engine), self.gate), searcher=self.deps.searcher, protocol=self.deps.protocol,
                                question=item.question, params=params, limits=limits, clock=self.deps.clock)
 
     def to_trajectory(self, batch_id: str, request: RolloutCreate, item: RolloutItem, sample_index: int,
@@ -164,6 +166,7 @@ class BatchRunner:
             data_source=item.data_source, question=item.question, golden_answers=item.golden_answers,
             prompt_ids=rollout.prompt_ids, response_ids=rollout.response_ids, loss_mask=rollout.loss_mask,
             behaviour_logprobs=rollout.logprobs, topk_ids=rollout.topk_ids, topk_logprobs=rollout.topk_logprobs,
+            token_versions=rollout.token_versions,
             turns=[Turn(query=t.query, doc_ids=t.doc_ids, scores=t.scores) for t in rollout.searches],
             finish_reason=rollout.finish_reason,  # type: ignore[arg-type]
             answer=scored.answer, reward=scored.reward,

@@ -82,6 +82,10 @@ class RolloutCreate(_Strict):
     run: str = _ID
     step: int = Field(ge=0, le=10**9)
     policy_version: int = Field(ge=0, le=10**9)
+    min_policy_version: int | None = Field(
+        default=None, ge=0, le=10**9,
+        description="refuse the batch (409) unless the engine serves at least this policy version (the trainer "
+                    "sets it to the version it just pushed); null = no check")
     items: list[RolloutItem] = Field(min_length=1, max_length=4096)
     samples_per_item: int = Field(default=1, ge=1, le=256)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
@@ -130,12 +134,16 @@ class Trajectory(BaseModel):
     behaviour_logprobs: list[float] = Field(description="log q(token) of each sampled token; 0.0 where mask 0")
     topk_ids: list[list[int]]
     topk_logprobs: list[list[float]]
+    token_versions: list[int] | None = Field(
+        default=None, description="policy version that sampled each token (its behaviour log-prob and top-K are that version's); "
+                    "-1 where mask 0. Differs within a trajectory only when weights were loaded mid-rollout "
+                    "(partial rollouts). Always set in responses")
     turns: list[Turn]
     finish_reason: FinishReason
     answer: str | None
     reward: float
     reward_parts: RewardParts
-    policy_version: int
+    policy_version: int = Field(description="version that sampled the first token")
     timings: dict[str, float]
     error: str | None
 
@@ -156,7 +164,9 @@ class TrajectorySummary(BaseModel):
     reward_parts: RewardParts
     num_searches: int
     response_len: int
-    policy_version: int
+    policy_version: int = Field(description="version that sampled the first token")
+    policy_version_max: int = Field(description="version that sampled the last policy token (> policy_version "
+                                    "when weights were loaded mid-rollout)")
     error: str | None
 
 
@@ -342,6 +352,11 @@ class SisTokens(BaseModel):
 class PolicyUpdate(_Strict):
     path: str = Field(min_length=1, max_length=4096, description="checkpoint directory under the checkpoint root")
     version: int = Field(ge=0, le=10**9)
+    partial: bool = Field(
+        default=False,
+        description="false: running trajectories finish on the weights they started with (new ones wait for the "
+                    "load); true: the load does not wait for them, their later tokens come from the new weights "
+                    "(between decode steps on an engine that can, else between turns; see /health load_granularity)")
 
 
 class PolicyPublic(BaseModel):
@@ -353,6 +368,9 @@ class Health(BaseModel):
     status: Literal["ok"]
     policy_version: int | None = Field(description="version loaded in the engine; null when store-only")
     engine: str = Field(description="the engine, or `store-only` (no engine: stored rollouts and the viewer)")
+    load_granularity: Literal["decode-step", "turn"] | None = Field(
+        default=None, description="where a partial weight load (POST /v1/policy partial=true) lands inside a "
+        "running trajectory: between two decode steps, or between two turns (generations); null when store-only")
     inflight_trajectories: int
     store_only: bool
     token_required: bool = Field(description="every route but /health and /ui needs `Authorization: Bearer`")

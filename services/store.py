@@ -100,6 +100,10 @@ class TrajectoryRow(Base):
     f1: Mapped[float] = mapped_column(Float)
     format: Mapped[float] = mapped_column(Float)
     policy_version: Mapped[int] = mapped_column(Integer)
+    # int32 version per response token (-1 at inserted ones) and the newest of them; NULL in rows stored before
+    # these columns existed: every policy token is then `policy_version`'s.
+    token_versions: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    policy_version_max: Mapped[int | None] = mapped_column(Integer, nullable=True)
     timings: Mapped[dict[str, float]] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
@@ -147,12 +151,27 @@ def open_db(url: str) -> sessionmaker[Session]:
                 # lock (released at commit) makes the second one find the tables made by the first.
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
             Base.metadata.create_all(conn)
+            _add_new_columns(conn)
     except OperationalError as exc:  # no server, refused login, unwritable file: name the store, not the stack
         engine.dispose()
         reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
         raise StoreUnavailable(f"cannot open the rollout store {engine.url.render_as_string(hide_password=True)}: "
                                f"{reason}") from exc
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def _add_new_columns(conn: Any) -> None:
+    """A store written by an older release lacks the nullable columns added since; add them (ALTER TABLE ... ADD
+    COLUMN, the same on SQLite and PostgreSQL). Rows stored before read NULL there, which readers handle."""
+    from sqlalchemy import inspect
+
+    inspector = inspect(conn)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in have and column.nullable:
+                kind = column.type.compile(dialect=conn.dialect)
+                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
 
 
 class StoreUnavailable(RuntimeError):
@@ -251,6 +270,9 @@ def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: in
     if _has_sample(session, t.batch_id, t.item_id, sample_index):
         return False
     k = len(t.topk_ids[0]) if t.topk_ids else 0
+    versions = t.token_versions if t.token_versions is not None else _uniform_versions(t.loss_mask, t.policy_version)
+    if len(versions) != len(t.response_ids):
+        raise ValueError(f"trajectory {t.id}: {len(versions)} token_versions for {len(t.response_ids)} tokens")
     session.add(TrajectoryRow(
         id=t.id, batch_id=t.batch_id, item_id=t.item_id, sample_index=sample_index, group_id=t.group_id,
         run=t.run, step=t.step, data_source=t.data_source, question=t.question, golden_answers=t.golden_answers,
@@ -260,6 +282,7 @@ def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: in
         turns=[turn.model_dump() for turn in t.turns], num_searches=len(t.turns), response_len=len(t.response_ids),
         finish_reason=t.finish_reason, answer=t.answer, reward=t.reward, em=t.reward_parts.em,
         f1=t.reward_parts.f1, format=t.reward_parts.format, policy_version=t.policy_version,
+        token_versions=pack(versions, np.int32), policy_version_max=max([t.policy_version, *versions]),
         timings=t.timings, error=t.error,
     ))
     try:
@@ -286,8 +309,15 @@ def unpack(raw: bytes, dtype: type[np.generic]) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
 
 
+def _uniform_versions(mask: Sequence[int], version: int) -> list[int]:
+    return [version if m else -1 for m in mask]
+
+
 def to_trajectory(row: TrajectoryRow) -> Trajectory:
     k = row.topk_k
+    mask = unpack(row.loss_mask, np.uint8).tolist()
+    versions = (unpack(row.token_versions, np.int32).tolist() if row.token_versions is not None
+                else _uniform_versions(mask, row.policy_version))
     topk_ids = unpack(row.topk_ids, np.int32).reshape(-1, k) if k else np.zeros((0, 0), np.int32)
     topk_lp = unpack(row.topk_logprobs, np.float32).reshape(-1, k) if k else np.zeros((0, 0), np.float32)
     return Trajectory(
@@ -295,9 +325,8 @@ def to_trajectory(row: TrajectoryRow) -> Trajectory:
         step=row.step, data_source=row.data_source, question=row.question, golden_answers=row.golden_answers,
         prompt_ids=unpack(row.prompt_ids, np.int32).tolist(),
         response_ids=unpack(row.response_ids, np.int32).tolist(),
-        loss_mask=unpack(row.loss_mask, np.uint8).tolist(),
-        behaviour_logprobs=unpack(row.behaviour_logprobs, np.float32).tolist(),
-        topk_ids=topk_ids.tolist(), topk_logprobs=topk_lp.tolist(),
+        loss_mask=mask, behaviour_logprobs=unpack(row.behaviour_logprobs, np.float32).tolist(),
+        topk_ids=topk_ids.tolist(), topk_logprobs=topk_lp.tolist(), token_versions=versions,
         turns=[Turn(**turn) for turn in row.turns], finish_reason=row.finish_reason,  # type: ignore[arg-type]
         answer=row.answer, reward=row.reward, reward_parts=RewardParts(em=row.em, f1=row.f1, format=row.format),
         policy_version=row.policy_version, timings=row.timings, error=row.error,
@@ -310,6 +339,7 @@ def to_summary(row: TrajectoryRow) -> TrajectorySummary:
         step=row.step, data_source=row.data_source, finish_reason=row.finish_reason,  # type: ignore[arg-type]
         answer=row.answer, reward=row.reward, reward_parts=RewardParts(em=row.em, f1=row.f1, format=row.format),
         num_searches=row.num_searches, response_len=row.response_len, policy_version=row.policy_version,
+        policy_version_max=row.policy_version_max if row.policy_version_max is not None else row.policy_version,
         error=row.error,
     )
 

@@ -86,6 +86,26 @@ def test_a_written_record_renders_and_a_stale_page_is_caught(mods: tuple[ModuleT
     assert second.name not in page.split("Older records:")[-1]
 
 
+def test_a_guide_block_shows_the_latest_table_and_goes_stale(mods: tuple[ModuleType, ModuleType],
+                                                            tmp_path: Path) -> None:
+    record, render = mods
+    results, docs, readme = tmp_path / "results", tmp_path / "docs" / "results.md", tmp_path / "README.md"
+    readme.write_text(f"{render.BEGIN}\n{render.END}\n", encoding="utf-8")
+    guide = tmp_path / "docs" / "guide.md"
+    guide.parent.mkdir(parents=True)
+    guide.write_text("# guide\n\n<!-- results:toy:begin -->\n<!-- results:toy:end -->\n\nafter\n", encoding="utf-8")
+    render.render(results, docs, readme)
+    assert "No record yet: run `bench/toy.py`." in guide.read_text(encoding="utf-8")
+    record.save_record(_record(record, table={"columns": ["arm", "runs/s"], "rows": [["fast", 2.0]]}), results)
+    assert any(str(guide) in p for p in render.check(results, docs, readme))
+    render.render(results, docs, readme)
+    text = guide.read_text(encoding="utf-8")
+    assert text.startswith("# guide\n\n<!-- results:toy:begin -->") and text.endswith("<!-- results:toy:end -->\n\nafter\n")
+    assert "| fast | 2 |" in text and "The toy ran twice as fast as its baseline." in text
+    assert "(results.md#toy-" in text  # linked to its section
+    assert render.check(results, docs, readme) == []
+
+
 def test_check_says_when_the_readme_has_no_markers(mods: tuple[ModuleType, ModuleType], tmp_path: Path) -> None:
     record, render = mods
     readme = tmp_path / "README.md"

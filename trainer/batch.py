@@ -34,7 +34,8 @@ class Trajectory:
     turns: list[Any] = field(default_factory=list)
     finish_reason: str = ""
     answer: str | None = None
-    policy_version: int = 0
+    policy_version: int = 0  # version that sampled the first token
+    token_versions: list[int] | None = None  # [T] version that sampled each token (-1 inserted); None = all policy_version
     error: str | None = None
 
     @staticmethod

@@ -7,7 +7,8 @@ Layout of `RUN_DIR/checkpoints/step_000004/`:
   scheduler.json           the LR scheduler's state_dict (plain numbers)
   rng.rank{r}.safetensors  torch CPU / CUDA RNG states and the update generator, per rank
   rng.rank{r}.json         Python `random` state
-  trainer_state.json       step, policy version, sampler cursor, world size, the config
+  trainer_state.json       step, policy version, sampler cursor, world size, the config, and the rollout batches
+                           in flight at the gateway (their request bodies; trainer/pipeline.py)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ class TrainerState:
     sampler: dict[str, Any]
     world_size: int
     sharded: bool
+    inflight: list[dict[str, Any]] = field(default_factory=list)  # batches submitted and not yet trained
 
 
 def _local(t: Tensor) -> Tensor:
@@ -92,7 +94,8 @@ def _rng_tensors(generator: torch.Generator) -> dict[str, Tensor]:
 def save_checkpoint(run_dir: Path, *, step: int, policy_version: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                     generator: torch.Generator, sampler: dict[str, Any], config: dict[str, Any],
-                    rank: int = 0, world: int = 1, keep: int = 2, barrier: Any = None) -> Path:
+                    rank: int = 0, world: int = 1, keep: int = 2, barrier: Any = None,
+                    inflight: list[dict[str, Any]] | None = None) -> Path:
     """Write checkpoint `step` (every rank calls this; only rank 0 writes shared files and renames)."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
@@ -118,7 +121,8 @@ def save_checkpoint(run_dir: Path, *, step: int, policy_version: int, model: nn.
     if rank == 0:
         write_json(tmp / "scheduler.json", scheduler.state_dict())
         write_json(tmp / STATE_FILE, {"step": step, "policy_version": policy_version, "sampler": sampler,
-                                       "world_size": world, "sharded": sharded, "config": config})
+                                       "world_size": world, "sharded": sharded, "config": config,
+                                       "inflight": inflight or []})
         replace_dir(tmp, final)
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -179,4 +183,5 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     py = json.loads((path / f"rng.rank{rank}.json").read_text())["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     return TrainerState(step=int(meta["step"]), policy_version=int(meta["policy_version"]),
-                        sampler=meta["sampler"], world_size=int(meta["world_size"]), sharded=sharded)
+                        sampler=meta["sampler"], world_size=int(meta["world_size"]), sharded=sharded,
+                        inflight=list(meta.get("inflight") or []))

@@ -66,6 +66,15 @@ class RolloutConfig(_Section):
     temperature: float = Field(default=1.0, gt=0, description="sampling temperature (the trainer evaluates pi_theta at the same temperature)")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass for sampling; must be 1.0 with gateway "
                          "rollouts (pi is evaluated at the temperature only, on the full vocabulary)")
+    mode: Literal["sync", "async"] = Field(default="sync", description="'sync': rollouts, then the update, then the "
+                                           "next rollouts; 'async': the gateway generates the next batches while "
+                                           "the trainer updates (at most max_staleness versions behind)")
+    max_staleness: int = Field(default=1, description="async: k, how many policy versions the oldest trained token "
+                               "may lag the version being updated; k rollout batches are generated ahead (k = 0 is "
+                               "the sync loop). A trajectory with an older token is dropped, never trained on")
+    partial: bool = Field(default=True, description="async: a weight push does not wait for running trajectories; "
+                          "their later tokens come from the new weights (each token records its version). false: "
+                          "running trajectories finish on the weights they started with, new ones wait for the push")
     timeout_s: float = Field(default=1800.0, gt=0, description="seconds to wait for one rollout batch")
     poll_interval_s: float = Field(default=0.5, gt=0, description="seconds between batch status polls")
     synthetic_response_len: int = Field(default=8, ge=1, description="synthetic source: generated tokens per response")
@@ -165,6 +174,11 @@ class TrainConfig(_Section):
             raise ValueError(f"rollout.top_p={self.rollout.top_p}: gateway rollouts need top_p 1.0, because the "
                              "engine's recorded q is top-p truncated and the trainer's pi is not, so every "
                              "importance ratio would be off by the kept probability mass")
+        if self.rollout.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness}: must be >= 0 (0 = the sync loop)")
+        if self.rollout.mode == "async" and self.rollout.source == "synthetic":
+            raise ValueError("rollout.mode=async needs rollout.source=gateway: the synthetic source samples "
+                             "in-process between updates, so nothing can run ahead of the trainer")
         if self.rollout.source == "gateway" and not self.data.train and not self.sft.runs:
             raise ValueError("data.train must list at least one file when rollout.source is 'gateway' "
                              "(or sft.runs, for a config that only warm-starts)")

@@ -61,8 +61,20 @@ class GatewayClient:
                                "(`sisrl-gateway serve`, docs/gateway.md) or set rollout.gateway_url to its URL") from err
 
     def submit(self, *, run: str, step: int, policy_version: int, items: list[QAItem], cfg: RolloutConfig,
-               k: int, seed: int) -> str:
-        body = {
+               k: int, seed: int, min_policy_version: int | None = None, key: str | None = None) -> str:
+        return self.submit_body(self.rollout_body(run=run, step=step, policy_version=policy_version, items=items,
+                                                  cfg=cfg, k=k, seed=seed, min_policy_version=min_policy_version,
+                                                  key=key))
+
+    def submit_body(self, body: dict[str, Any]) -> str:
+        """`POST /v1/rollouts` with a body from `rollout_body` (kept as is to resubmit it after a crash)."""
+        return str(self._json("POST", "/v1/rollouts", json=body)["batch_id"])
+
+    @staticmethod
+    def rollout_body(*, run: str, step: int, policy_version: int, items: list[QAItem], cfg: RolloutConfig,
+                     k: int, seed: int, min_policy_version: int | None = None,
+                     key: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "run": run, "step": step, "policy_version": policy_version,
             "items": [it.to_json() for it in items],
             "samples_per_item": cfg.samples_per_prompt,
@@ -70,9 +82,11 @@ class GatewayClient:
                          "logprobs_k": k, "seed": seed},
             "max_turns": cfg.max_turns,
             # Same key for the same (run, step): a retried POST after a crash reuses the batch, never duplicates it.
-            "idempotency_key": f"{run}:{step}",
+            "idempotency_key": key or f"{run}:{step}",
         }
-        return str(self._json("POST", "/v1/rollouts", json=body)["batch_id"])
+        if min_policy_version is not None:
+            body["min_policy_version"] = min_policy_version
+        return body
 
     def wait(self, batch_id: str, *, timeout_s: float, poll_s: float) -> list[Trajectory]:
         deadline = time.monotonic() + timeout_s
@@ -112,8 +126,13 @@ class GatewayClient:
         """One stored trajectory with its token arrays (`GET /v1/rollouts/{id}`)."""
         return Trajectory.from_json(self._json("GET", f"/v1/rollouts/{trajectory_id}"))
 
-    def push_policy(self, path: Path, version: int) -> dict[str, Any]:
-        return self._json("POST", "/v1/policy", json={"path": str(path), "version": version})
+    def push_policy(self, path: Path, version: int, *, partial: bool = False) -> dict[str, Any]:
+        """`POST /v1/policy`; answers once the gateway serves `version` (with `partial=false`, after the
+        trajectories running there finished)."""
+        body: dict[str, Any] = {"path": str(path), "version": version}
+        if partial:
+            body["partial"] = True
+        return self._json("POST", "/v1/policy", json=body)
 
     def post_sis_records(self, run: str, step: int, records: list[dict[str, Any]], *,
                          max_bytes: int = 4 * 2**20) -> None:

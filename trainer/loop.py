@@ -2,6 +2,9 @@
 
 `train(cfg)` is what `sisrl-train train` and `torchrun ... sisrl-train train` run. It reads top to bottom;
 the policy update itself is `trainer/update.py`, the math `trainer/{sis,losses,advantages}.py`.
+Step j trains on rollout batch j and turns policy version j into j + 1. Through the gateway, batches are
+submitted by `trainer/pipeline.py`: in sync mode batch j + 1 right after version j + 1 is pushed; in async mode
+up to `rollout.max_staleness` batches ahead, generated while the trainer updates (docs/trainer.md, "Async").
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import logging
 import random
 import re
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,7 +38,8 @@ from sisrl.trainer.distributed import (
 )
 from sisrl.trainer.evaluate import evaluate
 from sisrl.trainer.gateway_client import GatewayClient, GatewayError, GatewaySource
-from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, table_header, table_row
+from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, staleness_metrics, table_header, table_row
+from sisrl.trainer.pipeline import RolloutPipeline, Taken
 from sisrl.trainer.policy import (
     build_optimizer,
     build_scheduler,
@@ -107,6 +113,8 @@ class Session:
     sampler: MixtureSampler | None  # rank 0 only
     source: RolloutSource | None  # rank 0 only
     writer: MetricsWriter | None  # rank 0 only
+    pipeline: RolloutPipeline | None = None  # rank 0, gateway source only
+    pusher: WeightPusher | None = None  # rank 0, async mode only
     step: int = 0
     version: int = 0
 
@@ -140,6 +148,13 @@ def setup(cfg: TrainConfig) -> Session:
     s = Session(ctx=ctx, run_dir=run_dir, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                 generator=generator, updater=updater, sampler=build_sampler(cfg) if ctx.is_main else None,
                 source=build_source(cfg, model, len(tokenizer)) if ctx.is_main else None, writer=None)
+    if ctx.is_main and isinstance(s.source, GatewaySource):
+        assert s.sampler is not None
+        _check_partial(cfg, s.source.client)
+        s.pipeline = RolloutPipeline.for_run(s.source, s.sampler, cfg.rollout, total_steps=cfg.total_steps,
+                                             resumed=ckpt is not None)
+        if cfg.rollout.mode == "async":
+            s.pusher = WeightPusher(cfg)
     if ckpt is not None:
         state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator,
                                 rank=ctx.rank, world=ctx.world)
@@ -147,7 +162,14 @@ def setup(cfg: TrainConfig) -> Session:
         if s.sampler is not None:
             s.sampler.load_state(state.sampler)
         log.info("resumed from %s (step %d, policy version %d)", ckpt, s.step, s.version)
-        _push_weights(cfg, s)  # the gateway serves the resumed policy
+        _push_weights(cfg, s, wait=True)  # the gateway serves the resumed policy
+        if s.pipeline is not None:
+            s.pipeline.restore(state.inflight, s.step)  # the batches in flight at the checkpoint, by their keys
+    elif s.pipeline is not None and s.pipeline.source.client.health().get("policy_version") != 0:
+        # A fresh run is policy version 0; a gateway still serving another run's version would sample this
+        # run's first batches with weights it never had (and the staleness bound would drop them).
+        log.info("the gateway serves another policy version: pushing this run's initial weights as version 0")
+        _push_weights(cfg, s, wait=True)
     if ctx.is_main:
         s.writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard, start_step=s.step)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
@@ -178,6 +200,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[dict[str, 
                 bar.update(1)
     finally:
         bar.close()
+        if s.pusher is not None:
+            s.pusher.close()
         if s.writer is not None:
             s.writer.close()
         shutdown(s.ctx)
@@ -185,49 +209,83 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[dict[str, 
 
 
 def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
-    """Rollouts -> update -> push weights -> checkpoint -> (eval); returns the step's metrics (rank 0's)."""
+    """Rollouts -> update -> push weights -> submit what may run ahead -> checkpoint -> (eval); returns the
+    step's metrics (rank 0's)."""
     t0 = time.perf_counter()
-    trajs = _rollouts(s.ctx, s.source, s.sampler, cfg, s.step, s.version)
+    taken = _rollouts(s.ctx, s, cfg)
+    trajs = taken.trajectories
     t1 = time.perf_counter()
-    b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.logprobs_k).to(s.ctx.device)
-    records: list[TokenRecord] | None = [] if cfg.sis_records and isinstance(s.source, GatewaySource) else None
-    metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator, records), s.ctx)
-    if records:
-        _post_sis_records(cfg, s, trajs, records)
+    single = s.ctx.world == 1
+    records: list[TokenRecord] | None = [] if single else None
+    metrics: dict[str, float] = {}
+    train_tokens = 0.0
+    if trajs:
+        b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.logprobs_k).to(s.ctx.device)
+        train_tokens = float(b.mask.sum())
+        metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator, records), s.ctx)
+        if records and cfg.sis_records and isinstance(s.source, GatewaySource):
+            _post_sis_records(cfg, s, trajs, records)
+    else:  # every trajectory of the batch was outside the staleness bound
+        log.warning("step %d: nothing left to train on; the policy does not change this step", s.step + 1)
+    metrics.update(staleness_metrics(trajs, s.version, records, dropped=taken.dropped))
     t2 = time.perf_counter()
     s.step, s.version = s.step + 1, s.version + 1
-    _push_weights(cfg, s)
+    # then the batches the new version allows: sync the next one, async up to max_staleness ahead (async: in
+    # the push thread, once the push has landed)
+    _push_weights(cfg, s, wait=s.pusher is None, then=s.pipeline.fill if s.pipeline is not None else None)
     t3 = time.perf_counter()
     if s.step % cfg.checkpoint_every == 0 or s.step == cfg.total_steps:
+        sampler, inflight = (s.pipeline.snapshot() if s.pipeline is not None
+                             else (s.sampler.state() if s.sampler is not None else {}, []))
         save_checkpoint(s.run_dir, step=s.step, policy_version=s.version, model=s.model, optimizer=s.optimizer,
-                        scheduler=s.scheduler, generator=s.generator,
-                        sampler=s.sampler.state() if s.sampler is not None else {},
+                        scheduler=s.scheduler, generator=s.generator, sampler=sampler,
                         config=cfg.model_dump(mode="json"), rank=s.ctx.rank, world=s.ctx.world,
-                        keep=cfg.keep_checkpoints, barrier=(lambda: barrier(s.ctx)) if s.ctx.enabled else None)
+                        keep=cfg.keep_checkpoints, barrier=(lambda: barrier(s.ctx)) if s.ctx.enabled else None,
+                        inflight=inflight)
     t4 = time.perf_counter()
     if cfg.eval_every and s.step % cfg.eval_every == 0 and isinstance(s.source, GatewaySource):
+        if s.pusher is not None:
+            s.pusher.wait()  # evaluate the version just trained
         metrics.update(_evaluate(cfg, s.source, s.step, s.version))
     metrics.update(rollout_metrics(trajs, t1 - t0))
     metrics.update({
         "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/sync_s": t3 - t2, "time/checkpoint_s": t4 - t3,
         "time/step_s": t4 - t0, "policy/version": float(s.version),
-        "perf/train_tokens_per_s": float(b.mask.sum()) * cfg.algorithm.staleness / max(t2 - t1, 1e-9),
+        "perf/train_tokens_per_s": train_tokens * cfg.algorithm.staleness / max(t2 - t1, 1e-9),
     })
     return metrics
 
 
-def _rollouts(ctx: DistContext, source: RolloutSource | None, sampler: MixtureSampler | None, cfg: TrainConfig,
-              step: int, version: int) -> list[Trajectory]:
-    """Rank 0 asks the source for a batch; every rank gets the same trajectories."""
+def _rollouts(ctx: DistContext, s: Session, cfg: TrainConfig) -> Taken:
+    """Rank 0 takes the step's batch (the pipeline, or the synthetic source); every rank gets the same one."""
     raw: bytes | None = None
+    taken = Taken([])
     if ctx.is_main:
-        assert source is not None
-        items = sampler.next_items(cfg.rollout.prompts_per_step) if sampler is not None else []
-        trajs = source.rollouts(items, step, version)
+        if s.pipeline is not None:
+            if s.pusher is not None and not s.pipeline.has(s.step):
+                s.pusher.wait()  # the batch is submitted once the push of its version lands
+            taken = s.pipeline.take(s.step, s.version)
+        else:
+            assert s.source is not None
+            items = s.sampler.next_items(cfg.rollout.prompts_per_step) if s.sampler is not None else []
+            taken = Taken(s.source.rollouts(items, s.step, s.version))
         if not ctx.enabled:
-            return trajs
-        raw = trajectories_to_bytes(trajs)
-    return trajectories_from_bytes(broadcast_bytes(raw, ctx))
+            return taken
+        raw = trajectories_to_bytes(taken.trajectories)
+    trajs = trajectories_from_bytes(broadcast_bytes(raw, ctx))
+    return Taken(trajs, dropped=taken.dropped) if ctx.is_main else Taken(trajs)
+
+
+def _check_partial(cfg: TrainConfig, client: GatewayClient) -> None:
+    """Async with partial rollouts needs a gateway whose weight loads can land inside a trajectory."""
+    if cfg.rollout.mode != "async" or not cfg.rollout.partial:
+        return
+    granularity = client.health().get("load_granularity")
+    if granularity is None:
+        raise ConfigError(f"rollout.partial=true: the gateway at {cfg.rollout.gateway_url} cannot load weights "
+                          "inside running trajectories (its /health has no load_granularity; a store-only or "
+                          "older gateway); set rollout.partial=false or serve with a current sisrl-gateway")
+    log.info("partial rollouts: weight loads land between %ss of running trajectories", granularity)
 
 
 def _post_sis_records(cfg: TrainConfig, s: Session, trajs: list[Trajectory], records: list[TokenRecord]) -> None:
@@ -257,17 +315,70 @@ def _evaluate(cfg: TrainConfig, source: GatewaySource, step: int, version: int) 
                     k=cfg.algorithm.logprobs_k, seed=cfg.seed)
 
 
-def _push_weights(cfg: TrainConfig, s: Session) -> None:
-    """Save the policy as an HF safetensors directory and announce it (`POST /v1/policy`); rank 0 writes."""
+def _push_weights(cfg: TrainConfig, s: Session, *, wait: bool = True,
+                  then: Callable[[int], None] | None = None) -> None:
+    """Save the policy as an HF safetensors directory and announce it (`POST /v1/policy`), then call
+    `then(version)`; rank 0 writes. `wait=False` (async mode): the announcement and `then` run in the push
+    thread while the trainer goes on."""
     needs = s.source.needs_weights if s.source is not None else cfg.rollout.source == "gateway"
     if not needs:
         return
     state = full_state_dict(s.model) if cfg.distributed.strategy == "fsdp2" and s.ctx.enabled else None  # collective
     if s.ctx.is_main:
         assert s.source is not None
+        if s.pusher is not None:
+            s.pusher.wait()  # one push at a time: the previous one has landed before its files can go
         root = s.run_dir.resolve() / "policy"
         path = save_hf_directory(s.model, s.tokenizer, root / f"v{s.version:06d}", state=state)
-        s.source.push_policy(path, s.version)
-        for old in sorted(root.glob("v*"))[:-2]:  # keep the served version and the one before it
+        for old in sorted(root.glob("v*"))[:-2]:  # keep this version and the one the gateway serves now
             shutil.rmtree(old, ignore_errors=True)
+        if s.pusher is not None:
+            s.pusher.push(path, s.version, then)
+            if wait:
+                s.pusher.wait()
+        else:
+            s.source.push_policy(path, s.version)
+            if then is not None:
+                then(s.version)
     barrier(s.ctx)
+
+
+class WeightPusher:
+    """`POST /v1/policy` from a background thread with its own HTTP client (async mode): the trainer does not
+    wait while the gateway loads the weights (with `rollout.partial=false`, until its running trajectories end).
+    A failed push is raised by the next `wait`."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token, timeout_s=cfg.rollout.timeout_s)
+        self.partial = cfg.rollout.partial
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def push(self, path: Path, version: int, then: Callable[[int], None] | None = None) -> None:
+        """Announce `path` as `version` in the background, then call `then(version)` there."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                self.client.push_policy(path, version, partial=self.partial)
+                if then is not None:
+                    then(version)
+            except BaseException as err:  # re-raised in the trainer's thread by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name=f"sisrl-push-v{version}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.client.close()

@@ -56,6 +56,72 @@ def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, floa
     return out
 
 
+LAG_BUCKETS = ("0", "1", "2+")
+
+
+def _bucket(lag: int) -> str:
+    return LAG_BUCKETS[min(lag, 2)]
+
+
+def staleness_metrics(trajs: list[Trajectory], version: int, records: list[Any] | None, *,
+                      dropped: int) -> dict[str, float]:
+    """Version lag of the trained tokens and the SIS diagnostics split by lag (docs/trainer.md, "Staleness").
+
+    lag of a policy token = `version` (the policy being updated) - the version that sampled it. `records` are
+    the update's TokenRecords (trainer/update.py; single process), row = index into `trajs`. The verl names
+    (`rollout_corr/...`) carry the same quantities for dashboards built on verl's rollout correction."""
+    from sisrl.common.wire import SIS_ACCEPTED, SIS_OUTSIDE, SIS_REJECTED
+    from sisrl.trainer.pipeline import token_versions
+
+    lags = [[version - v for v in token_versions(t)] for t in trajs]
+    flat = [lag for row in lags for lag in row]
+    out: dict[str, float] = {
+        "staleness/lag_mean": sum(flat) / len(flat) if flat else 0.0,
+        "staleness/lag_max": float(max(flat, default=0)),
+        "staleness/multi_version_share": sum(len(set(row)) > 1 for row in lags) / max(len(trajs), 1),
+        "staleness/dropped": float(dropped),
+    }
+    for bucket in LAG_BUCKETS:
+        out[f"staleness/token_share_lag{bucket}"] = (sum(_bucket(lag) == bucket for lag in flat) / len(flat)
+                                                     if flat else 0.0)
+    if not records:
+        return out
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # accepted, decided, |l| sum, rej |l|
+    log_q_minus_p: list[float] = []
+    ratios: list[float] = []
+    rejected_tokens = 0
+    for rec in records:
+        traj = trajs[rec.row]
+        versions = traj.token_versions or [traj.policy_version if m else -1 for m in traj.loss_mask]
+        status = rec.status.tolist()
+        logp = rec.logp.tolist()
+        ratio = rec.ratio.tolist()
+        for t, code in enumerate(status[: len(traj.loss_mask)]):
+            if code < 0:
+                continue
+            abs_l = abs(logp[t] - traj.behaviour_logprobs[t])
+            cell = acc[_bucket(version - versions[t])]
+            cell[0] += code == SIS_ACCEPTED
+            cell[1] += 1
+            cell[2] += abs_l
+            if code in (SIS_REJECTED, SIS_OUTSIDE):
+                cell[3] += abs_l
+                rejected_tokens += 1
+            log_q_minus_p.append(traj.behaviour_logprobs[t] - logp[t])
+            ratios.append(ratio[t])
+    for bucket, (accepted, decided, abs_sum, rej_sum) in acc.items():
+        out[f"staleness/accept_rate_lag{bucket}"] = accepted / decided
+        out[f"staleness/D_per_token_lag{bucket}"] = abs_sum / decided
+        out[f"staleness/D_sis_per_token_lag{bucket}"] = rej_sum / decided
+    if log_q_minus_p:
+        n = len(log_q_minus_p)
+        out["rollout_corr/kl"] = sum(log_q_minus_p) / n  # KL(q || pi), k1 estimate from q's samples
+        out["rollout_corr/k3_kl"] = sum(math.exp(-d) - 1.0 + d for d in log_q_minus_p) / n
+        out["rollout_corr/rollout_is_mean"] = sum(ratios) / n
+        out["rollout_corr/rollout_rs_masked_fraction"] = rejected_tokens / n  # SIS: rejected + outside V_K
+    return out
+
+
 def _searches(t: Trajectory) -> int:
     return sum(1 for turn in t.turns if isinstance(turn, dict) and turn.get("query"))
 

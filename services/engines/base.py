@@ -73,7 +73,16 @@ class Generation:
     topk_ids: list[list[int]]  # [T][K] top-K ids of q at each position, most probable first (then padding)
     topk_logprobs: list[list[float]]  # [T][K] their log q
     finish_reason: str  # "stop" (stop string), "eos", "length"
-    policy_version: int = 0  # version of the weights that produced every token of this generation
+    policy_version: int = 0  # version of the weights that produced the first token
+    # [T] version that sampled each token, when a weight load landed inside this generation (an engine with
+    # `load_weights_mid_request`); None = every token is `policy_version`'s.
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """[T] the policy version that sampled each token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.token_ids)
 
     def validate(self, k: int) -> None:
         """Raise ValueError when the record is not [T] / [T][K] consistent or the finish reason is unknown."""
@@ -86,6 +95,8 @@ class Generation:
         for i, (ids, lps) in enumerate(zip(self.topk_ids, self.topk_logprobs, strict=True)):
             if len(ids) != k or len(lps) != k:
                 raise ValueError(f"position {i}: expected {k} top-K entries, got {len(ids)} ids / {len(lps)}")
+        if self.token_versions is not None and len(self.token_versions) != t:
+            raise ValueError(f"token_versions has {len(self.token_versions)} entries for {t} tokens")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
@@ -107,6 +118,18 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Release the model / connections. The engine is unusable afterwards."""
         ...
+
+
+@runtime_checkable
+class MidRequestLoads(Protocol):
+    """An engine that can take new weights while generations run (partial rollouts, docs/engines.md).
+
+    `load_weights_mid_request` swaps the weights between two decode steps without waiting for running
+    generations; their later tokens come from the new weights and carry the new version in
+    `Generation.token_versions`. Each running sequence's prefix is recomputed under the new weights first, so a
+    recorded log-prob is that of a fresh forward pass of the version that sampled the token."""
+
+    async def load_weights_mid_request(self, path: str, version: int) -> None: ...
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int | None = None) -> None:
@@ -158,6 +181,7 @@ __all__ = [
     "MIN_LOGPROB",
     "Engine",
     "Generation",
+    "MidRequestLoads",
     "SamplingParams",
     "check_prompt",
     "clamp_logprob",

@@ -7,6 +7,9 @@ in a single worker thread, so the event loop stays free and the model is never c
 
 Weight swaps (`load_weights`) drain the batch first: admissions pause, running rows finish with the old weights,
 then the new weights are copied in. So every generation comes from one policy version.
+`load_weights_mid_request` (partial rollouts) swaps between two decode steps instead: the running rows' prompts
+and tokens so far are prefilled again under the new weights (their old keys/values would mix two policies), and
+their next tokens are sampled from it; each token records the version that sampled it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class _Slot:
     future: asyncio.Future[Generation]
     version: int = 0
     token_ids: list[int] = field(default_factory=list)  # [T]
+    token_versions: list[int] = field(default_factory=list)  # [T] policy version that sampled each token
     logprobs: list[float] = field(default_factory=list)  # [T]
     topk_ids: list[list[int]] = field(default_factory=list)  # [T][K]
     topk_logprobs: list[list[float]] = field(default_factory=list)  # [T][K]
@@ -61,8 +65,10 @@ class _Slot:
 
     def generation(self) -> Generation:
         assert self.finish_reason is not None
+        mixed = any(v != self.version for v in self.token_versions)
         return Generation(
-            self.token_ids, self.logprobs, self.topk_ids, self.topk_logprobs, self.finish_reason, self.version
+            self.token_ids, self.logprobs, self.topk_ids, self.topk_logprobs, self.finish_reason, self.version,
+            token_versions=list(self.token_versions) if mixed else None,
         )
 
 
@@ -71,6 +77,7 @@ class _Swap:
     state: dict[str, torch.Tensor]
     version: int
     future: asyncio.Future[None]
+    mid_request: bool = False  # True: between decode steps, running rows re-prefilled; False: after a drain
 
 
 class LocalEngine:
@@ -163,14 +170,24 @@ class LocalEngine:
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load a safetensors HF directory (or file) once running generations finish; then set the version."""
+        await self._load(path, version, mid_request=False)
+
+    async def load_weights_mid_request(self, path: str, version: int) -> None:
+        """Load a safetensors HF directory between two decode steps, without waiting for running generations:
+        their prompts and tokens so far are prefilled again under the new weights, and every later token is
+        sampled from them and records `version` (`Generation.token_versions`)."""
+        await self._load(path, version, mid_request=True)
+
+    async def _load(self, path: str, version: int, *, mid_request: bool) -> None:
         self._check_open()
         state = await asyncio.to_thread(read_safetensors, path)
         await asyncio.to_thread(check_state, self.model, state)
-        swap = _Swap(state, version, asyncio.get_running_loop().create_future())
+        swap = _Swap(state, version, asyncio.get_running_loop().create_future(), mid_request)
         self._swaps.append(swap)
         self._kick()
         await swap.future
-        log.info("loaded weights from %s as policy version %d", path, version)
+        log.info("loaded weights from %s as policy version %d%s", path, version,
+                 " (mid-request)" if mid_request else "")
 
     async def close(self) -> None:
         """Stop the scheduler, fail what is still waiting, release the worker thread."""
@@ -215,7 +232,7 @@ class LocalEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._swaps and not self._active:
+            if self._swaps and (self._swaps[0].mid_request or not self._active):
                 await self._apply_swap(loop, self._swaps.pop(0))
                 continue
             admit: list[_Slot] = []
@@ -245,6 +262,18 @@ class LocalEngine:
             return
         self.policy_version = swap.version
         swap.future.set_result(None)
+        self._active = [s for s in self._active if not s.future.done()]
+        if not self._active:
+            return
+        try:  # running rows (mid-request swap): their cached keys/values are the old policy's
+            finished = await loop.run_in_executor(self._executor, self._reprefill)
+        except Exception as exc:
+            log.exception("re-prefill after the weight swap to version %d failed", swap.version)
+            self._fail(list(self._active), exc)
+            return
+        for slot in finished:
+            if not slot.future.done():
+                slot.future.set_result(slot.generation())
 
     def _fail(self, slots: list[_Slot], exc: Exception) -> None:
         for slot in slots:
@@ -282,6 +311,23 @@ class LocalEngine:
             self._active = [self._active[i] for i in rows]
         return finished
 
+    def _reprefill(self) -> list[_Slot]:
+        """Rebuild the batch's cache under the current weights: every running row's prompt and sampled tokens
+        are prefilled again, and its next token is sampled from the resulting logits (a decode step's work)."""
+        slots = list(self._active)
+        self._batch.keep([])
+        self._active = []
+        logits = self._batch.prefill([s.prompt_ids + s.token_ids for s in slots])
+        self._active = slots
+        self._stats.prefill_passes += 1
+        self._record(slots, logits)
+        finished = [s for s in slots if s.finish_reason is not None]
+        if finished:
+            rows = [i for i, s in enumerate(slots) if s.finish_reason is None]
+            self._batch.keep(rows)
+            self._active = [slots[i] for i in rows]
+        return finished
+
     def _record(self, slots: list[_Slot], logits: torch.Tensor) -> None:
         """Sample one token per slot from q and record log q and the top-K. logits [n, V]."""
         logits = (
@@ -298,6 +344,7 @@ class LocalEngine:
         for slot, token, logprob, ids, lps in rows:
             k = slot.params.logprobs_k
             slot.token_ids.append(token)
+            slot.token_versions.append(self.policy_version)
             slot.logprobs.append(logprob)
             slot.topk_ids.append(ids[:k])
             slot.topk_logprobs.append(lps[:k])

@@ -16,6 +16,7 @@ def health(state: StateDep) -> Health:
     live = state.live
     return Health(status="ok", policy_version=live.engine.policy_version if live else None,
                   engine=state.settings.engine if live else "store-only", inflight_trajectories=state.pending,
+                  load_granularity=live.runner.gate.granularity if live else None,
                   store_only=live is None, token_required=state.settings.api_token is not None)
 
 

@@ -37,10 +37,11 @@ def get_policy(state: StateDep, live: LiveDep) -> PolicyPublic:
                         403: {"description": "path outside the gateway's checkpoint root"},
                         404: {"description": "no checkpoint directory at path"}, **STORE_ONLY_RESPONSE})
 async def load_policy(body: PolicyUpdate, state: StateDep, live: LiveDep) -> PolicyPublic:
+    """Answers once the engine serves `version`: with `partial=false` after the running trajectories finished."""
     target = resolve_checkpoint(state.settings.checkpoint_root, body.path)
     async with state.policy_lock:
         try:
-            await live.engine.load_weights(str(target), body.version)
+            await live.runner.gate.load(str(target), body.version, partial=body.partial)
         except (OSError, ValueError, RuntimeError) as exc:
             raise HTTPException(status.HTTP_400_BAD_REQUEST,
                                 detail=f"could not load {str(target)!r}: {type(exc).__name__}: {exc}") from exc

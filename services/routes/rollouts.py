@@ -81,7 +81,8 @@ def _set_status(state: GatewayState, batch_id: str, value: str) -> None:
 @router.post("", response_model=BatchCreated, summary="Submit a batch of rollouts",
              responses={400: {"description": "a body the schema accepts but that cannot run (item ids repeat), or "
                                              "one that cannot be parsed"},
-                        409: {"description": "idempotency_key already used for another request"},
+                        409: {"description": "idempotency_key already used for another request, or a "
+                                             "min_policy_version newer than the engine's"},
                         413: {"description": "more trajectories than max_pending in one batch"},
                         429: {"description": "the gateway has max_pending trajectories queued; retry after Retry-After"},
                         **STORE_ONLY_RESPONSE})
@@ -102,6 +103,11 @@ async def create_rollouts(body: RolloutCreate, state: StateDep, live: LiveDep) -
             row = await run_in_threadpool(_by_key, state, body.idempotency_key)
             if row is not None:
                 return await _resume(state, live, _same_request(row, body, fingerprint), body)
+        served = live.engine.policy_version
+        if body.min_policy_version is not None and body.min_policy_version > served:
+            raise HTTPException(status.HTTP_409_CONFLICT,
+                                detail=f"min_policy_version {body.min_policy_version}: the engine serves policy "
+                                       f"version {served}; push that version first (POST /v1/policy)")
         todo = _all_pairs(body)
         _reserve(state, live, len(todo))
         batch_id = uuid.uuid4().hex

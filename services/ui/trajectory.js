@@ -1,15 +1,33 @@
-// One trajectory: the prompt, every response token (policy vs inserted; SIS status when recorded), a detail
-// panel for the token under the pointer (click pins it), the searches, and the reward with its parts.
+// One trajectory: the prompt, every response token (policy vs inserted; SIS status when recorded; sampled after
+// a weight load that landed mid-trajectory), a detail panel for the token under the pointer (click pins it), the
+// searches, and the reward with its parts.
 import { enc, get } from "./api.js";
 import { el, facts, fmt, shown } from "./dom.js";
 
 const STATUS = { 1: ["acc", "accepted"], 0: ["rej", "rejected (in V_K)"], 2: ["out", "outside V_K (rejected)"],
   [-1]: ["undecided", "no decision (-1)"] };
 
+// The policy version that sampled token t (-1: inserted); stores from before per-token versions have none.
+function versionOf(traj, t) {
+  return traj.token_versions ? traj.token_versions[t] : (traj.loss_mask[t] ? traj.policy_version : -1);
+}
+
 function tokenClass(t, traj) {
   if (!traj.loss_mask[t]) return "tok inserted";
   const status = traj.sis ? traj.sis.status[t] : null;
-  return status === null ? "tok policy" : `tok policy ${STATUS[status][0]}`;
+  const newer = versionOf(traj, t) > traj.policy_version ? " newer" : "";
+  return (status === null ? "tok policy" : `tok policy ${STATUS[status][0]}`) + newer;
+}
+
+// "3" for one version; "3 → 4 (from token 57)" where a load landed mid-trajectory (partial rollouts).
+function versionSpan(traj) {
+  const versions = traj.response_ids.map((_, t) => versionOf(traj, t)).filter((v) => v >= 0);
+  if (!versions.length) return String(traj.policy_version);
+  const low = Math.min(...versions);
+  const high = Math.max(...versions);
+  if (low === high) return String(low);
+  const first = traj.response_ids.findIndex((_, t) => versionOf(traj, t) > low);
+  return `${low} → ${high} (a weight load landed mid-trajectory; newer from token ${first})`;
 }
 
 function pieceOf(texts, id) {
@@ -26,7 +44,7 @@ function detail(panel, traj, texts, t) {
     const logq = traj.behaviour_logprobs[t];
     const topk = traj.topk_ids[t] || [];
     const rank = topk.indexOf(id);
-    rows.push(["log q", fmt(logq, 4)], ["rank in q's top-K", rank >= 0 ? `${rank + 1} of ${topk.length}` : `not in top-${topk.length}`]);
+    rows.push(["policy version", versionOf(traj, t)], ["log q", fmt(logq, 4)], ["rank in q's top-K", rank >= 0 ? `${rank + 1} of ${topk.length}` : `not in top-${topk.length}`]);
     if (traj.sis) {
       const s = traj.sis;
       rows.push(["SIS status", STATUS[s.status[t]][1]], ["log π", fmt(s.logp[t], 4)],
@@ -73,6 +91,9 @@ function legend(traj) {
   } else {
     items.push(item("tok policy", "policy token (no SIS record)"));
   }
+  if (traj.response_ids.some((_, t) => versionOf(traj, t) > traj.policy_version)) {
+    items.push(item("tok policy newer", "sampled by a newer policy version (overlined)"));
+  }
   return el("div", { class: "legend" }, items);
 }
 
@@ -105,7 +126,7 @@ export async function showTrajectory(main, id) {
     facts([["question", traj.question], ["gold answers", traj.golden_answers.join(" | ")], ["answer", traj.answer ?? "–"],
       ["reward", `${fmt(traj.reward)} (EM ${fmt(parts.em)}, F1 ${fmt(parts.f1)}, format ${fmt(parts.format)})`],
       ["finish reason", traj.finish_reason + (traj.error ? ` – ${traj.error}` : "")],
-      ["run / step / source", `${traj.run} / ${traj.step} / ${traj.data_source}`], ["policy version", traj.policy_version],
+      ["run / step / source", `${traj.run} / ${traj.step} / ${traj.data_source}`], ["policy version", el("span", { id: "versions" }, versionSpan(traj))],
       ["tokens", `${traj.response_ids.length} response (${traj.loss_mask.filter(Boolean).length} policy), `
         + `${traj.prompt_ids.length} prompt`], ["tokenizer", texts.tokenizer ?? "none: token ids shown"]]),
     el("h2", {}, "SIS"), sisFacts(traj.sis),

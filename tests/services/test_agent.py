@@ -1,15 +1,21 @@
 """The agent loop in-process with the real tokenizer and the real retriever: corrective message, turn and
-token budgets, observation truncation that keeps the closing tag, and an engine failure recorded."""
+token budgets, observation truncation that keeps the closing tag, an engine failure recorded, and a weight load
+that lands mid-trajectory (partial rollouts)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sisrl.common.models import load_tokenizer
+import torch
+from sisrl.common.models import build_tiny_policy, load_tokenizer
+from sisrl.common.wire import MIN_LOGPROB
 from sisrl.services.agent import AgentLimits, Rollout, SearchR1Protocol, run_agent
 from sisrl.services.engines.base import Generation, SamplingParams
+from sisrl.services.engines.local import LocalEngine
 from sisrl.services.retrieval_client import Passage, RetrievalClient
 from sisrl.services.scripted import ScriptedEngine, ScriptRule
 
@@ -85,3 +91,57 @@ def test_engine_failure_is_recorded(protocol: SearchR1Protocol, retriever_url: s
     rollout = _run(protocol, FailingEngine(), retriever_url)
     assert (rollout.finish_reason, rollout.error) == ("error", "engine: RuntimeError: device lost")
     assert rollout.response_ids == [] and "engine_s" in rollout.timings
+
+
+def test_a_load_mid_trajectory_gives_each_token_its_versions_log_prob(
+    protocol: SearchR1Protocol, retriever_url: str, tmp_path: Path
+) -> None:
+    """Partial rollouts through the agent loop: four trajectories of the tiny policy run on the local engine, and
+    version 1 lands (`load_weights_mid_request`) while they are in a later turn. Inserted tokens (corrective
+    messages, passages) carry no version and loss mask 0; every sampled token's recorded log-prob and top-K
+    equal a fresh forward pass, over the whole trajectory so far, of the version that sampled it."""
+    torch.manual_seed(0)
+    tokenizer = protocol.tokenizer
+    policies = {0: build_tiny_policy(tokenizer, seed=0).eval(), 1: build_tiny_policy(tokenizer, seed=1).eval()}
+    policies[1].save_pretrained(tmp_path / "v1", safe_serialization=True)
+    params = SamplingParams(max_new_tokens=24, logprobs_k=3, seed=3)
+    questions = ["isle of wight?", "who wrote hamlet?", "capital of peru?", "tallest mountain?"]
+
+    async def go() -> list[Rollout]:
+        engine = LocalEngine(build_tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
+        client = RetrievalClient(retriever_url, topk=2)
+        try:
+            running = [asyncio.create_task(run_agent(
+                engine=engine, searcher=client, protocol=protocol, question=q, params=replace(params, seed=i),
+                limits=AgentLimits(max_turns=3, max_response_tokens=512))) for i, q in enumerate(questions)]
+            while engine.stats.generated_tokens < 36 * len(questions):  # every trajectory is in its second turn
+                await asyncio.sleep(0.001)
+            await engine.load_weights_mid_request(str(tmp_path / "v1"), 1)
+            return list(await asyncio.gather(*running))
+        finally:
+            await client.aclose()
+            await engine.close()
+
+    rollouts = asyncio.run(go())
+    spans_load = 0
+    for r in rollouts:
+        assert r.error is None and len(r.token_versions) == len(r.response_ids) == len(r.loss_mask)
+        assert [v == -1 for v in r.token_versions] == [m == 0 for m in r.loss_mask]
+        versions = [v for v in r.token_versions if v >= 0]
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+        first_new = r.token_versions.index(1) if 1 in r.token_versions else len(r.response_ids)
+        spans_load += 0 in versions and 1 in versions and 0 in r.loss_mask[:first_new]
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        start = len(r.prompt_ids)
+        for version, policy in policies.items():
+            at = [t for t, v in enumerate(r.token_versions) if v == version]
+            if not at:
+                continue
+            with torch.no_grad():
+                logits = policy(input_ids=ids).logits[0, start - 1:-1].double()
+            logq = torch.log_softmax(logits, dim=-1).clamp(min=MIN_LOGPROB)[at]  # [T_v, V]
+            picked = logq.gather(-1, torch.tensor([r.response_ids[t] for t in at]).unsqueeze(-1)).squeeze(-1)
+            assert (picked - torch.tensor([r.logprobs[t] for t in at])).abs().max().item() <= 1e-4, version
+            top = logq.gather(-1, torch.tensor([r.topk_ids[t] for t in at]))
+            assert (top - torch.tensor([r.topk_logprobs[t] for t in at])).abs().max().item() <= 1e-4, version
+    assert spans_load >= 1  # a trajectory with tokens of both versions and an inserted span before the load

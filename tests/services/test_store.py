@@ -42,7 +42,8 @@ def _trajectory(i: int, *, step: int, reward: float, source: str = "nq", n: int 
         loss_mask=mask, behaviour_logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lp,
         turns=[Turn(query="q", doc_ids=["7", "9"], scores=[0.5, 0.25])], finish_reason="answer", answer="x",
         reward=reward, reward_parts=RewardParts(em=reward, f1=reward, format=1.0), policy_version=3,
-        timings={"total_s": 0.5}, error=None,
+        # a weight load after the first turn: the second turn's tokens are version 4's (partial rollouts)
+        token_versions=[3] * 5 + [-1] * 4 + [4] * (n - 9), timings={"total_s": 0.5}, error=None,
     )
 
 
@@ -62,6 +63,7 @@ def test_round_trip_filters_pages_stats(db_url: str) -> None:
         row = store.get_trajectory(session=s, trajectory_id="t2")
         assert row is not None
         assert store.to_trajectory(row) == trajs[2]
+        assert store.to_summary(row).policy_version_max == 4  # the newest version among its tokens
         assert len(row.response_ids) == 4 * 12 and len(row.loss_mask) == 12 and len(row.topk_logprobs) == 4 * 12 * 4
 
         rows, nxt = store.list_trajectories(session=s, run="r", reward_min=1.0)
@@ -94,6 +96,29 @@ def test_round_trip_filters_pages_stats(db_url: str) -> None:
             assert s.connection().exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         else:
             assert s.connection().dialect.name == "postgresql"
+    store.dispose(sessions)
+
+
+def test_a_store_from_before_token_versions_is_upgraded_in_place(db_url: str) -> None:
+    """A store written before `token_versions` existed gains the column at open; its old rows read every policy
+    token as the trajectory's policy_version (-1 at inserted tokens)."""
+    sessions = store.open_db(db_url)
+    t = _trajectory(0, step=0, reward=1.0)
+    with sessions() as s:
+        _batch(s)
+        assert store.add_trajectory(session=s, trajectory=t, sample_index=0)
+        conn = s.connection()
+        conn.exec_driver_sql("ALTER TABLE trajectories DROP COLUMN token_versions")
+        conn.exec_driver_sql("ALTER TABLE trajectories DROP COLUMN policy_version_max")
+        s.commit()
+    store.dispose(sessions)
+    sessions = store.open_db(db_url)  # the old layout: the columns come back, empty
+    with sessions() as s:
+        row = store.get_trajectory(session=s, trajectory_id="t0")
+        assert row is not None and row.token_versions is None
+        read = store.to_trajectory(row)
+        assert read.token_versions == [3 if m else -1 for m in t.loss_mask]
+        assert store.to_summary(row).policy_version_max == 3
     store.dispose(sessions)
 
 

@@ -74,6 +74,19 @@ def _screenshot(driver: Any, name: str) -> Path:
     return path
 
 
+def _check_versions(driver: Any, traj: dict[str, Any]) -> None:
+    """Tokens sampled by a newer version than the trajectory's first are marked; the facts give the span."""
+    versions = traj["token_versions"]
+    newer = [t for t, v in enumerate(versions) if v > traj["policy_version"]]
+    assert _count(driver, "#tokens .tok.policy.newer") == len(newer)
+    shown_versions = driver.find_element(By.ID, "versions").text
+    if newer:
+        assert shown_versions.startswith(f"{traj['policy_version']} → {max(versions)}"), shown_versions
+        assert f"newer from token {newer[0]}" in shown_versions
+    else:
+        assert shown_versions == str(traj["policy_version"])
+
+
 def test_viewer_in_chromium(browser: Any, store_only_gateway: Any, viewer_store: Any,
                             records: dict[str, dict[str, Any]]) -> None:
     trajectories = viewer_store.trajectories
@@ -119,12 +132,20 @@ def test_viewer_in_chromium(browser: Any, store_only_gateway: Any, viewer_store:
     assert _count(browser, "#searches tbody tr") == len(traj["turns"])
     assert "Question:" in browser.find_element(By.ID, "prompt").text
 
+    _check_versions(browser, traj)
     first = mask.index(1)
     browser.find_element(By.CSS_SELECTOR, f'#tokens .tok[data-t="{first}"]').click()  # pins the detail panel
     panel = browser.find_element(By.ID, "token-detail").text
     assert f"{traj['response_ids'][first]}" in panel and "rank in q's top-K" in panel and "1 of 5" in panel
-    assert "ratio used" in panel and "log π" in panel
+    assert "ratio used" in panel and "log π" in panel and f"policy version\n{traj['token_versions'][first]}" in panel
     _screenshot(browser, "viewer-trajectory.png")
+
+    # a trajectory a weight load landed in (tests/services/viewer_data.py): its later turns are the newer version's
+    spanning = next(t for t in trajectories if len({v for v in t["token_versions"] if v >= 0}) == 2)
+    browser.get(f"{store_only_gateway.url}/ui#/trajectory/{spanning['id']}")
+    WebDriverWait(browser, WAIT_S).until(lambda d: spanning["id"] in d.find_element(By.TAG_NAME, "h1").text)
+    _ready(browser, "trajectory")
+    _check_versions(browser, spanning)
 
     assert store_only_gateway.token not in browser.current_url
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,9 +48,16 @@ SAMPLES = 2
 
 
 class PassageSearcher:
-    """The environment's retriever, in-process: passages ranked by words shared with the query."""
+    """The environment's retriever, in-process: passages ranked by words shared with the query. `before_search`,
+    when set, runs once before the next search (a weight load that lands while trajectories run)."""
+
+    def __init__(self) -> None:
+        self.before_search: Callable[[], Awaitable[None]] | None = None
 
     async def search(self, query: str) -> list[Passage]:
+        if self.before_search is not None:
+            hook, self.before_search = self.before_search, None
+            await hook()
         words = set(re.findall(r"\w+", query.lower()))
         scored = [(len(words & set(re.findall(r"\w+", (p.title + " " + p.text).lower()))), p) for p in PASSAGES]
         ranked = sorted(scored, key=lambda pair: (-pair[0], pair[1].id))[:2]
@@ -57,12 +66,15 @@ class PassageSearcher:
 
 async def _roll(sessions: Any, tokenizer: Any) -> None:
     clock = BusyClock()
-    deps = RunnerDeps(engine=ScriptedEngine(tokenizer, RULES), searcher=PassageSearcher(),
+    searcher = PassageSearcher()
+    deps = RunnerDeps(engine=ScriptedEngine(tokenizer, RULES), searcher=searcher,
                       protocol=SearchR1Protocol(tokenizer, observation_max_tokens=96), sessions=sessions,
                       metrics=GatewayMetrics(clock), clock=clock, reward_specs=dict(DEFAULT_SPECS),
                       max_response_tokens=512)
     runner = BatchRunner(deps, max_concurrency=8)
     for step in range(STEPS):
+        if step == STEPS - 1:  # partial rollouts: version `step` lands while the first search of the batch runs
+            searcher.before_search = partial(runner.gate.load, "scripted", step, partial=True)
         request = RolloutCreate.model_validate({
             "run": RUN, "step": step, "policy_version": step, "samples_per_item": SAMPLES, "max_turns": 3,
             "items": [{"id": f"q{i}", "question": q, "golden_answers": gold, "data_source": source}
@@ -95,6 +107,7 @@ def fill_store(db_url: str) -> ViewerStore:
     finally:
         store.dispose(sessions)
     assert len(trajectories) == STEPS * len(ITEMS) * SAMPLES and all(t["error"] is None for t in trajectories)
+    assert any(len({v for v in t["token_versions"] if v >= 0}) == 2 for t in trajectories)  # a load mid-trajectory
     return ViewerStore(db_url=db_url, trajectories=trajectories)
 
 

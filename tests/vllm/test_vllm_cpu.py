@@ -4,7 +4,7 @@ started with the flags docs/engines.md prescribes and sisrl's worker extension, 
 
 Checks: the engine contract of `VLLMHttpEngine` against a fresh fp32 transformers forward (tolerances below);
 a gateway batch through it with real searches on a real retriever; a weight update through the gateway's
-`POST /v1/policy`; bad checkpoints refused with the server still serving the old weights; the in-process engine
+`POST /v1/policy`, also one that lands while a batch runs (partial); bad checkpoints refused with the server still serving the old weights; the in-process engine
 (`VLLMEngine`, run in the vLLM venv) generating and loading weights. Runs only through `make test-vllm`.
 """
 
@@ -387,6 +387,54 @@ def test_weight_update_through_the_gateway(gateway: httpx.Client, vllm_server: S
     assert (restored.token_ids, restored.logprobs, restored.topk_ids) == (before.token_ids, before.logprobs,
                                                                           before.topk_ids)
     print("\nperturbed weights vs their reference:", stats)
+
+
+def test_a_partial_load_lands_between_turns_of_running_trajectories(gateway: httpx.Client, qa_subset: Any,  # noqa: F811
+                                                                     checkpoints: Checkpoints,
+                                                                     reference: PreTrainedModel) -> None:
+    """`POST /v1/policy {partial: true}` while a multi-turn batch runs on vLLM: the gate holds new generations,
+    waits for the running ones and loads (docs/engines.md, "Weight loads while generating"). Each turn is then
+    sampled by one version, later turns of a running trajectory by the new one, and every policy token's q is
+    the fp32 forward, over the whole context, of the version its token records."""
+    assert gateway.get("/health").json()["load_granularity"] == "turn"
+    old = int(gateway.get("/v1/policy").json()["policy_version"])
+    assert gateway.post("/v1/policy", json={"path": "original", "version": old + 1}).status_code == 200
+    body = {"run": "vllm-partial", "step": 0, "policy_version": old + 1, "samples_per_item": 4, "max_turns": 3,
+            "items": [nq_item(r) for r in qa_subset.nq[:2]],
+            "sampling": {"max_new_tokens": 48, "temperature": 1.0, "top_p": 1.0, "logprobs_k": K, "seed": 9}}
+    batch_id = gateway.post("/v1/rollouts", json=body).raise_for_status().json()["batch_id"]
+    time.sleep(1.0)  # the first turns are running
+    loaded = gateway.post("/v1/policy", json={"path": "perturbed", "version": old + 2, "partial": True})
+    assert loaded.status_code == 200, loaded.text
+    batch = wait_batch(gateway, batch_id)
+    assert batch["status"] == "done", batch
+    noisy = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    noisy.load_state_dict(load_file(str(checkpoints.perturbed / "model.safetensors")), strict=False)
+    noisy.tie_weights()
+    policies = {old + 1: reference, old + 2: noisy}
+    spans = 0
+    for traj in batch["trajectories"]:
+        versions, mask = traj["token_versions"], traj["loss_mask"]
+        assert [v == -1 for v in versions] == [m == 0 for m in mask]
+        turns: list[set[int]] = [set()]
+        for v in versions:
+            if v == -1 and turns[-1]:
+                turns.append(set())
+            elif v != -1:
+                turns[-1].add(v)
+        assert all(len(t) == 1 for t in turns if t), turns  # one version per turn
+        policy_versions = [v for v in versions if v >= 0]
+        assert policy_versions == sorted(policy_versions) and set(policy_versions) <= set(policies)
+        spans += len(set(policy_versions)) == 2
+        with torch.no_grad():
+            logq = {v: reference_logq(m, traj["prompt_ids"], traj["response_ids"], SamplingParams(temperature=1.0))
+                    for v, m in policies.items() if v in policy_versions}
+        diffs = [abs(lp - float(logq[v][t, tok])) for t, (tok, v, lp) in
+                 enumerate(zip(traj["response_ids"], versions, traj["behaviour_logprobs"], strict=True)) if v >= 0]
+        assert max(diffs) <= LOGPROB_TOL, max(diffs)
+    assert spans >= 1, "no running trajectory took a turn after the load: " + str(
+        [(t["finish_reason"], t["loss_mask"].count(0)) for t in batch["trajectories"]])
+    assert gateway.post("/v1/policy", json={"path": "original", "version": old + 3}).status_code == 200
 
 
 def test_bad_checkpoints_are_refused_and_the_server_keeps_serving(gateway: httpx.Client, vllm_server: Service,

@@ -228,7 +228,8 @@ def main() -> None:
                                          checkpoint_root=args.workdir, log=args.workdir / "logs" / "gateway-sft.log",
                                          extra=GATEWAY_OPTIONS)
                 wait_healthy(gateway)
-                train_sft(cfg.model_copy(update={"run_dir": str(args.workdir / "sft")}))
+                train_sft(cfg.model_copy(update={"run_dir": str(args.workdir / "sft"), "rollout": cfg.rollout.model_copy(
+                    update={"gateway_url": gateway.url})}))
             for _, arm, seed in todo:
                 row = run_one(cfg, gateway, sft_path, arm, seed, placement, args)
                 done.append(row)

@@ -65,8 +65,8 @@ class RolloutPipeline:
         with self.lock:
             self._fill(version)
 
-    def _fill(self, version: int) -> None:
-        last = min(self.total_steps - 1, version + self.ahead)
+    def _fill(self, version: int, upto: int | None = None) -> None:
+        last = min(self.total_steps - 1, version + self.ahead if upto is None else upto)
         step = self.next_step
         while step <= last:
             items = self.sampler.next_items(self.cfg.prompts_per_step)
@@ -84,15 +84,19 @@ class RolloutPipeline:
 
     def take(self, step: int, version: int) -> Taken:
         """Wait for batch `step` (submitting it when it is not in flight) and keep the trajectories whose every
-        policy token has a version in [version - k, version]."""
+        policy token has a version in [version - k, version]. A batch submitted here goes alone, and the
+        batches ahead follow once it is back: on one engine they would otherwise share it with the batch the
+        trainer waits for (the first step of a run, or of a resumed one, would take k + 1 batches' time)."""
         with self.lock:
             if step not in self.inflight:
                 if step < self.next_step:
                     raise RuntimeError(f"batch {step} was taken already")
-                self._fill(version)
+                self._fill(version, upto=step)
             entry = self.inflight.pop(step)
         batch_id = entry["batch_id"]
         trajs = self.source.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
+        if self.ahead:
+            self.fill(version)  # the batches this version allows ahead, generated while the trainer updates
         if not trajs:
             raise GatewayError(f"batch {batch_id} returned no trajectories")
         bad = [t.id for t in trajs if t.error]

@@ -88,15 +88,18 @@ class RolloutPipeline:
         batches ahead follow once it is back: on one engine they would otherwise share it with the batch the
         trainer waits for (the first step of a run, or of a resumed one, would take k + 1 batches' time)."""
         with self.lock:
-            if step not in self.inflight:
+            alone = step not in self.inflight
+            if alone:  # the first step, of a run or a resumed one; the caller has seen `version` land
                 if step < self.next_step:
                     raise RuntimeError(f"batch {step} was taken already")
                 self._fill(version, upto=step)
             entry = self.inflight.pop(step)
         batch_id = entry["batch_id"]
         trajs = self.source.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
-        if self.ahead:
-            self.fill(version)  # the batches this version allows ahead, generated while the trainer updates
+        if alone and self.ahead:
+            # the batches `version` allows ahead, generated while the trainer updates (later, the push thread
+            # fills after each push lands: the trainer's version may not be the gateway's yet)
+            self.fill(version)
         if not trajs:
             raise GatewayError(f"batch {batch_id} returned no trajectories")
         bad = [t.id for t in trajs if t.error]

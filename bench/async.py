@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import statistics
 import time
@@ -92,7 +93,8 @@ def run_one(cfg: TrainConfig, gateway: Service, sft_path: Path, arm: str, seed: 
     hist = train(run_cfg)
     wall = time.perf_counter() - t0
     busy = engine_busy_s(gateway.url) - busy0
-    em = evaluate_stage(client, run_cfg, f"{placement}-{arm}-s{seed}", args.steps)["eval/em"]
+    # a fresh eval name per invocation: the gateway would return a stored batch of the same key (an earlier run's)
+    em = evaluate_stage(client, run_cfg, f"{placement}-{arm}-s{seed}-{secrets.token_hex(3)}", args.steps)["eval/em"]
     client.close()
     for sub in ("checkpoints", "policy"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)

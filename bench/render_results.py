@@ -2,7 +2,8 @@
 
 docs/results.md: one section per bench (its title, what it measures), then for each machine kind the latest
 record: its summary sentence, the machine, commit, date and command, its figures against the baseline of the same
-run (with the ratio where both have a figure of the same name), its table if it has one; then links to the older
+run (with the ratio where both have a figure of the same name), its table if it has one, its figure if its bench
+wrote one (a PNG of the record's name beside it); then links to the older
 records of that bench. README.md: between `<!-- results:begin -->` and `<!-- results:end -->`, a table of the
 records that carry a `headline` (at most 10 rows, one column per machine kind, each cell the latest record's value
 linked to its section). A page under docs/ may hold `<!-- results:BENCH:begin -->` ... `<!-- results:BENCH:end -->`:
@@ -135,7 +136,13 @@ def kind_section(path: Path, record: dict[str, Any], docs: Path) -> list[str]:
         lines += ["", "| " + " | ".join(cell(str(c)) for c in table["columns"]) + " |",
                   "|" + "---|" * len(table["columns"])]
         lines += ["| " + " | ".join(cell(fmt(v)) for v in row) + " |" for row in table["rows"]]
-    return lines + [""]
+    return lines + [*figure_line(path, record, docs), ""]
+
+
+def figure_line(path: Path, record: dict[str, Any], page: Path) -> list[str]:
+    """The record's figure (a PNG of the same name beside it, written by its bench), as an image link."""
+    png = path.with_suffix(".png")
+    return ["", f"![{record['title']}]({link(png, page)})"] if png.is_file() else []
 
 
 def link(path: Path, page: Path) -> str:
@@ -212,9 +219,10 @@ def bench_block(records: list[Record], bench: str, page: Path, docs: Path) -> st
     lines = [f"<!-- results:{bench}:begin -->", f"<!-- rendered by bench/render_results.py from bench/results/"
                                                  f"{bench}/: edit the records, not this block -->", ""]
     if not latest:
-        lines += [f"No record yet: run `bench/{bench}.py`.", ""]
+        script = f"bench/{bench}.py"
+        lines += [f"No record yet: run `{script}`." if (ROOT / script).is_file() else "No record yet.", ""]
     for kind in kind_order(latest):
-        _, record = latest[kind]
+        path, record = latest[kind]
         where = f"{link(docs, page)}#{bench}-{kind}"
         lines += [f"`{kind}` ({machine_line(record['machine'])}; {record['date'] or 'undated'}): "
                   f"{record['summary']} [Record and command]({where}).", ""]
@@ -225,7 +233,7 @@ def bench_block(records: list[Record], bench: str, page: Path, docs: Path) -> st
             lines += ["| " + " | ".join(cell(fmt(v)) for v in row) + " |" for row in table["rows"]]
         else:
             lines += figures_table(record)
-        lines.append("")
+        lines += [*figure_line(path, record, page), ""]
     return "\n".join([*lines, f"<!-- results:{bench}:end -->"])
 
 

@@ -8,8 +8,9 @@ has (stop strings off), so engine time and batching are those of the real engine
 the script. Script file (JSON): `{"rules": [{"match": "capital", "turns": ["<search>x</search>", "..."]}]}`.
 
 Teacher mode (demonstrations for a warm start): a rule may name `extract`ed values, each the first regex group
-of a `pattern` applied to the question (`"from": "question"`) or to the latest `<information>` block the
-gateway inserted (`"from": "info"`). Turns use them as `{name}`; a pattern may use an earlier value as `{name}`
+of a `pattern` applied to the question (`"from": "question"`), to the latest `<information>` block the
+gateway inserted (`"from": "info"`) or to the latest search query (`"from": "query"`, the text between the last
+`<search>` and `</search>`: what a three-hop chain searched for). Turns use them as `{name}`; a pattern may use an earlier value as `{name}`
 (inserted regex-escaped). When a pattern finds nothing (the retriever did not return the evidence), the turn is
 the rule's `fallback` instead, so a demonstration only answers from what was actually retrieved.
 """
@@ -28,13 +29,15 @@ from sisrl.services.engines.pool import for_trajectory
 from transformers import PreTrainedTokenizerBase
 
 _QUESTION_MARK = "\nQuestion: "
-_SOURCES = ("question", "info")
+_SOURCES = ("question", "info", "query")
+_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 _NAME = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 @dataclass(frozen=True)
 class Extract:
-    """A value the teacher reads: group 1 of `pattern` in the question or the latest information block."""
+    """A value the teacher reads: group 1 of `pattern` in the question, the latest information block or the
+    latest search query."""
 
     source: str
     pattern: str
@@ -47,15 +50,16 @@ class ScriptRule:
     extract: dict[str, Extract] = field(default_factory=dict)
     fallback: str = "<answer> unknown </answer>"
 
-    def render(self, turn: str, question: str, info: str) -> str:
+    def render(self, turn: str, question: str, info: str, query: str = "") -> str:
         """`turn` with its `{name}` values filled in, or `fallback` when one cannot be read."""
         values: dict[str, str] = {}
+        texts = {"question": question, "info": info, "query": query}
         for name in _NAME.findall(turn):
-            if self._resolve(name, question, info, values) is None:
+            if self._resolve(name, texts, values) is None:
                 return self.fallback
         return _NAME.sub(lambda m: values.get(m.group(1), m.group(0)), turn)
 
-    def _resolve(self, name: str, question: str, info: str, values: dict[str, str]) -> str | None:
+    def _resolve(self, name: str, texts: dict[str, str], values: dict[str, str]) -> str | None:
         if name in values:
             return values[name]
         spec = self.extract.get(name)
@@ -64,11 +68,11 @@ class ScriptRule:
         pattern = spec.pattern
         for ref in _NAME.findall(pattern):
             if ref in self.extract:
-                value = self._resolve(ref, question, info, values)
+                value = self._resolve(ref, texts, values)
                 if value is None:
                     return None
                 pattern = pattern.replace("{" + ref + "}", re.escape(value))
-        found = re.search(pattern, question if spec.source == "question" else info)
+        found = re.search(pattern, texts[spec.source])
         if found is None or not found.group(1).strip():
             return None
         values[name] = found.group(1).strip()
@@ -133,9 +137,11 @@ class ScriptedEngine:
         question = tail.split("\n", 1)[0]
         turn = tail.count(INFO_CLOSE.strip()) + tail.count(CORRECTIVE.strip())
         info = tail.rpartition(INFO_OPEN.strip())[2].partition(INFO_CLOSE.strip())[0] if INFO_OPEN.strip() in tail else ""
+        searches = _SEARCH.findall(tail)
+        query = searches[-1].strip() if searches else ""
         for rule in self.rules:
             if rule.match in question:
-                return rule.render(rule.turns[min(turn, len(rule.turns) - 1)], question, info)
+                return rule.render(rule.turns[min(turn, len(rule.turns) - 1)], question, info, query)
         raise ValueError(f"no script rule matches question {question!r}; add a rule with match ''")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

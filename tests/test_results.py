@@ -95,7 +95,8 @@ def test_a_guide_block_shows_the_latest_table_and_goes_stale(mods: tuple[ModuleT
     guide.parent.mkdir(parents=True)
     guide.write_text("# guide\n\n<!-- results:toy:begin -->\n<!-- results:toy:end -->\n\nafter\n", encoding="utf-8")
     render.render(results, docs, readme)
-    assert "No record yet: run `bench/toy.py`." in guide.read_text(encoding="utf-8")
+    assert "No record yet." in guide.read_text(encoding="utf-8")  # no bench/toy.py: no command to point to
+    assert "No record yet: run `bench/offpolicy.py`." in render.bench_block([], "offpolicy", guide, docs)
     record.save_record(_record(record, table={"columns": ["arm", "runs/s"], "rows": [["fast", 2.0]]}), results)
     assert any(str(guide) in p for p in render.check(results, docs, readme))
     render.render(results, docs, readme)

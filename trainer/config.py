@@ -83,9 +83,10 @@ class RolloutConfig(_Section):
 
 class AlgorithmConfig(_Section):
     loss: Literal["grpo", "dapo", "gspo", "grpo_noclip"] = Field(default="grpo", description="policy loss registered in trainer/losses.py")
-    ratio: Literal["is", "sis", "tis", "icepop"] = Field(default="sis", description="importance ratio strategy")
+    ratio: Literal["none", "is", "sis", "tis", "icepop", "seqmask"] = Field(default="sis", description="importance ratio strategy (none: ratio 1, stale tokens as if on-policy; seqmask: verl's sequence-level rollout rejection sampling)")
     logprobs_k: int = Field(default=20, ge=1, le=MAX_LOGPROBS_K, description=f"K: size of the behaviour top-K set V_K (the gateway's sampling.logprobs_k; at most {MAX_LOGPROBS_K})")
     behaviour: Literal["rollout", "recompute"] = Field(default="rollout", description="where q comes from: engine-recorded log-probs, or a no-grad forward of the rollout weights")
+    sis_exact: bool = Field(default=False, description="SIS with V_K = the whole vocabulary (K = V): M_t = max_v pi(v)/q(v) from a no-grad forward of a copy of the weights that sampled the batch, kept for its N updates; needs ratio sis, behaviour recompute, rollout.mode sync and one process")
     staleness: int = Field(default=4, ge=1, description="N: mini-batch updates per rollout batch")
     clip_low: float | None = Field(default=None, ge=0, description="PPO clip epsilon below 1 (None = the loss's default: 0.2; gspo 3e-4)")
     clip_high: float | None = Field(default=None, ge=0, description="PPO clip epsilon above 1 (None = the loss's default: grpo 0.2, dapo 0.28, gspo 4e-4)")
@@ -99,6 +100,9 @@ class AlgorithmConfig(_Section):
     tis_cap: float = Field(default=2.0, gt=0, description="TIS: truncate the importance weight at this value")
     icepop_low: float = Field(default=0.5, gt=0, description="IcePop: zero tokens whose ratio is below this")
     icepop_high: float = Field(default=2.0, gt=0, description="IcePop: zero tokens whose ratio is above this")
+    seqmask_mode: Literal["sequence", "geometric"] = Field(default="sequence", description="seqmask: the sequence ratio is the product of token ratios (verl rollout_rs=sequence) or their geometric mean (geometric)")
+    seqmask_high: float = Field(default=2.0, gt=0, description="seqmask: mask sequences whose ratio is above this (verl rollout_rs_threshold)")
+    seqmask_low: float | None = Field(default=None, ge=0, description="seqmask: mask sequences whose ratio is below this (None = 1 / seqmask_high, as verl)")
     flip_advantage_sign: bool = Field(default=False, description="negate every advantage (a sanity switch: training must then fail)")
 
 
@@ -168,12 +172,22 @@ class TrainConfig(_Section):
             raise ValueError("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2")
         if self.algorithm.icepop_low >= self.algorithm.icepop_high:
             raise ValueError("algorithm.icepop_low must be below algorithm.icepop_high")
+        if self.algorithm.seqmask_low is not None and self.algorithm.seqmask_low >= self.algorithm.seqmask_high:
+            raise ValueError(f"algorithm.seqmask_low={self.algorithm.seqmask_low} must be below "
+                             f"algorithm.seqmask_high={self.algorithm.seqmask_high}")
         if self.rollout.source == "gateway" and self.rollout.top_p < 1.0:
             # q recorded by the engine is the top-p truncated distribution, while the trainer computes pi at the
             # temperature only over the whole vocabulary: every l_t would be off by log(kept mass). Refuse.
             raise ValueError(f"rollout.top_p={self.rollout.top_p}: gateway rollouts need top_p 1.0, because the "
                              "engine's recorded q is top-p truncated and the trainer's pi is not, so every "
                              "importance ratio would be off by the kept probability mass")
+        if self.algorithm.sis_exact and (self.algorithm.ratio != "sis" or self.algorithm.behaviour != "recompute"
+                                         or self.rollout.mode != "sync"):
+            raise ValueError(
+                f"algorithm.sis_exact=true needs algorithm.ratio=sis (got {self.algorithm.ratio!r}), "
+                f"algorithm.behaviour=recompute (got {self.algorithm.behaviour!r}) and rollout.mode=sync (got "
+                f"{self.rollout.mode!r}): q over the whole vocabulary comes from the trainer's copy of the weights "
+                "that sampled the batch, which only a synchronous loop holds")
         if self.rollout.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness}: must be >= 0 (0 = the sync loop)")
         if self.rollout.mode == "async" and self.rollout.source == "synthetic":

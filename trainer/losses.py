@@ -1,4 +1,4 @@
-"""Policy losses with a pluggable importance ratio: plain IS, SIS, TIS and IcePop share one loss code path.
+"""Policy losses with a pluggable importance ratio: none, plain IS, SIS, TIS, IcePop and seqmask share one loss code path.
 
 A ratio strategy turns (log pi, log q, ...) into a per-token log-ratio [B, T] and optional per-token weights;
 a policy loss turns that log-ratio and the advantages into a scalar. SIS enters only as the ratio.
@@ -8,6 +8,7 @@ Shapes: B sequences, T response tokens, K behaviour top-K, V vocabulary.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -44,7 +45,7 @@ class PolicyLoss(Protocol):
     ) -> tuple[Tensor, Metrics]: ...
 
 
-RATIO_STRATEGIES = ("is", "sis", "tis", "icepop")
+RATIO_STRATEGIES = ("none", "is", "sis", "tis", "icepop", "seqmask")
 _POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
@@ -79,13 +80,21 @@ def compute_log_ratio(
     tis_cap: float = 2.0,
     icepop_low: float = 0.5,
     icepop_high: float = 2.0,
+    seqmask_mode: str = "sequence",
+    seqmask_low: float | None = None,
+    seqmask_high: float = 2.0,
+    log_m: Tensor | None = None,
 ) -> RatioResult:
     """The per-token log-ratio for `strategy` (logp, logq, mask [B, T]; top-K inputs [B, T, K] for SIS).
 
     is:     log r = l_t = logp - logq
-    sis:    `sis.sis_log_ratio` (accepted tokens on-policy)
+    sis:    `sis.sis_log_ratio` (accepted tokens on-policy; `log_m` given: exact SIS over the whole vocabulary)
     tis:    r = min(w, C) in value with gradient C * grad log pi above the cap: log r = l - sg(relu(l - log C))
     icepop: r = w, and tokens with w outside [low, high] get weight 0 (no gradient, still counted in the mean)
+    none:   r = exp(logp - sg(logp)): value 1, the on-policy gradient; stale tokens used as if on-policy
+    seqmask: r = w, and every token of a sequence whose ratio is outside [low, high] gets weight 0; the sequence
+            ratio is prod_t w_t (mode "sequence") or its geometric mean exp(mean_t l_t) ("geometric"); low
+            defaults to 1 / high. verl's rollout rejection sampling (`rollout_rs`, whose default bounds these are).
     """
     valid = mask.bool()
     log_w = logp - logq
@@ -94,11 +103,28 @@ def compute_log_ratio(
             raise ValueError("ratio strategy 'sis' needs topk_logp, topk_logq and in_topk")
         res = sis_log_ratio(
             logp=logp, logq=logq, topk_logp=topk_logp, topk_logq=topk_logq, in_topk=in_topk, mask=mask,
-            generator=generator,
+            generator=generator, log_m=log_m,
         )
         return RatioResult(res.log_ratio, None, res.metrics, res)
     if strategy == "is":
         return RatioResult(log_w, None, {})
+    if strategy == "none":
+        return RatioResult(logp - logp.detach(), None, {})
+    if strategy == "seqmask":
+        low = 1.0 / seqmask_high if seqmask_low is None else seqmask_low
+        if not 0 <= low < seqmask_high:
+            raise ValueError(f"seqmask bounds need 0 <= low < high, got low={low}, high={seqmask_high}")
+        if seqmask_mode not in ("sequence", "geometric"):
+            raise ValueError(f"seqmask_mode must be 'sequence' or 'geometric', got {seqmask_mode!r}")
+        seq_log = torch.where(valid, log_w.detach(), 0.0).sum(dim=-1)  # [B]
+        if seqmask_mode == "geometric":
+            seq_log = seq_log / valid.sum(dim=-1).clamp(min=1)
+        keep_seq = (seq_log >= (math.log(low) if low > 0 else -math.inf)) & (seq_log <= math.log(seqmask_high))
+        keep = keep_seq.unsqueeze(-1).expand_as(log_w).to(log_w.dtype)
+        rows = valid.any(dim=-1)
+        masked_seqs = (~keep_seq & rows).sum() / rows.sum().clamp(min=1)
+        return RatioResult(log_w, keep, {"seqmask/masked_frac": masked_mean(1.0 - keep, valid),
+                                         "seqmask/masked_seq_frac": masked_seqs.float()})
     if strategy == "tis":
         if tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0, got {tis_cap}")

@@ -102,6 +102,7 @@ def sis_log_ratio(
     in_topk: Tensor,
     mask: Tensor,
     generator: torch.Generator | None = None,
+    log_m: Tensor | None = None,
 ) -> SISResult:
     """The SIS acceptance test and the per-token log-ratio to put inside any policy loss.
 
@@ -110,11 +111,19 @@ def sis_log_ratio(
     Formulas (docs/design.md, "Selective Importance Sampling"): M_t = max_{v in V_K} pi(v)/q(v); accept iff
     y_t in V_K and u <= w_t / M_t, u ~ U(0,1), w_t = exp(l_t). Accepted: r_t = exp(logp - sg(logp)); rejected:
     r_t = exp(logp - logq).
+    `log_m` [B, T]: exact SIS (V_K = the whole vocabulary, `exact_log_m`); then every sampled token is in V_K,
+    the top-K inputs are ignored and xi_K is 0.
     """
     valid = mask.bool()
     log_w = (logp - logq).detach()  # l_t
-    in_support = topk_in_support(topk_logq)  # [B, T, K]
-    log_m = torch.where(in_support, (topk_logp - topk_logq).detach(), -torch.inf).amax(dim=-1)  # [B, T]
+    if log_m is not None:
+        in_support = torch.ones(*logp.shape, 1, dtype=torch.bool, device=logp.device)
+        topk_logp = torch.zeros(*logp.shape, 1, device=logp.device)  # pi summed over V is 1: xi = 0
+        in_topk = torch.ones_like(valid)
+        log_m = log_m.detach()
+    else:
+        in_support = topk_in_support(topk_logq)  # [B, T, K]
+        log_m = torch.where(in_support, (topk_logp - topk_logq).detach(), -torch.inf).amax(dim=-1)  # [B, T]
     has_vk = in_support.any(dim=-1)  # [B, T]
     # One uniform per position, masked or not, so the random stream depends only on the shape.
     u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float32)
@@ -127,6 +136,21 @@ def sis_log_ratio(
     topk_p = torch.where(in_support, topk_logp.detach().exp(), torch.zeros_like(topk_logp))
     metrics = sis_metrics(log_w=log_w, accepted=accepted, topk_p=topk_p, log_ratio=log_ratio, mask=valid)
     return SISResult(log_ratio, accepted, log_m, metrics)
+
+
+@torch.no_grad()
+def exact_log_m(logits_p: Tensor, logits_q: Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
+    """log M_t = max over the whole vocabulary of log pi(v) - log q(v) (exact SIS, K = V), chunked over time.
+
+    logits_p, logits_q [B, T, V] -> [B, T]. Entries where q(v) underflows (log q <= MIN_SUPPORT_LOGPROB) are not in
+    q's support and count nowhere."""
+    step = chunk_size or logits_p.shape[1]
+    out = []
+    for s in range(0, logits_p.shape[1], step):
+        lp = torch.log_softmax(logits_p[:, s : s + step].float() / temperature, dim=-1)
+        lq = torch.log_softmax(logits_q[:, s : s + step].float() / temperature, dim=-1)
+        out.append(torch.where(lq > MIN_SUPPORT_LOGPROB, lp - lq, -torch.inf).amax(dim=-1))
+    return torch.cat(out, dim=1)
 
 
 def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -157,7 +181,7 @@ def sis_metrics(*, log_w: Tensor, accepted: Tensor, topk_p: Tensor, log_ratio: T
 
 
 def ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """`sis/ratio_min|mean|max` of r_t = exp(log_ratio) over unmasked tokens ([B, T] each; 0 when none).
+    """`sis/ratio_min|mean|max|ess` of r_t = exp(log_ratio) over unmasked tokens ([B, T] each; 0 when none).
 
     Called with the ratio the loss uses, whatever the strategy (is / sis / tis / icepop), so an IS ratio that
     blows up at large staleness shows here.
@@ -170,4 +194,6 @@ def ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
             "sis/ratio_min": torch.where(has, torch.where(mask, ratio, inf).amin(), ratio.new_zeros(())),
             "sis/ratio_mean": masked_mean(ratio, mask),
             "sis/ratio_max": torch.where(has, torch.where(mask, ratio, -inf).amax(), ratio.new_zeros(())),
+            # Kish's effective sample size of the token ratios as a share of the tokens: (sum r)^2 / (n sum r^2)
+            "sis/ratio_ess": masked_mean(ratio, mask) ** 2 / masked_mean(ratio * ratio, mask).clamp(min=1e-30),
         }

@@ -8,6 +8,7 @@ advantages.py. Distributed: every rank holds the whole batch; rank r trains on r
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -31,6 +32,7 @@ from sisrl.trainer.policy import no_grad_sync, policy_logits, response_logits
 from sisrl.trainer.sis import (
     SISResult,
     behaviour_topk,
+    exact_log_m,
     gather_logprobs,
     ratio_metrics,
     sis_log_ratio,
@@ -98,6 +100,7 @@ class Updater:
     shared_prefix: bool = False  # the prompt tokens all rows share run once (policy.prefix_hidden)
     rank: int = 0
     world: int = 1
+    behaviour_model: nn.Module | None = None  # exact SIS: a copy of the weights that sampled the current batch
 
     def loss_kwargs(self) -> dict[str, object]:
         """Clip bounds / aggregation from the config; None keeps the registered loss's own default."""
@@ -169,10 +172,19 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
                                shared_prefix=u.shared_prefix)  # [b, T', V]
     logp, topk_logp = token_and_topk_logprobs(logits, mb.response_ids, mb.topk_ids, u.temperature, u.chunk_size)
     in_topk = token_in_topk(mb.response_ids, mb.topk_ids)  # [b, T]
+    log_m = None
+    if u.behaviour_model is not None:  # exact SIS: q over the whole vocabulary from the sampling weights
+        with torch.no_grad():
+            logits_q, _ = policy_logits(u.behaviour_model, padded, autocast=u.autocast, compact=u.compact_logits,
+                                        shared_prefix=u.shared_prefix)
+        log_m = exact_log_m(logits, logits_q, u.temperature, u.chunk_size)
+        del logits_q
+        in_topk = torch.ones_like(in_topk)
     ratio = compute_log_ratio(
         u.algo.ratio, logp=logp, logq=mb.logq, mask=mb.mask, topk_logp=topk_logp, topk_logq=mb.topk_logq,
         in_topk=in_topk, generator=generator, tis_cap=u.algo.tis_cap, icepop_low=u.algo.icepop_low,
-        icepop_high=u.algo.icepop_high,
+        icepop_high=u.algo.icepop_high, seqmask_mode=u.algo.seqmask_mode, seqmask_low=u.algo.seqmask_low,
+        seqmask_high=u.algo.seqmask_high, log_m=log_m,
     )
     loss_fn = get_policy_loss(u.algo.loss)
     loss, metrics = loss_fn(log_ratio=ratio.log_ratio, advantages=mb_adv, mask=mb.mask, weights=ratio.weights,
@@ -182,7 +194,7 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
     if sis is None:
         # D, D_SIS and the would-be accept rate as diagnostics: same test, not used by this loss.
         sis = sis_log_ratio(logp=logp.detach(), logq=mb.logq, topk_logp=topk_logp, topk_logq=mb.topk_logq,
-                            in_topk=in_topk, mask=mb.mask, generator=generator)
+                            in_topk=in_topk, mask=mb.mask, generator=generator, log_m=log_m)
         metrics.update(sis.metrics)
         metrics.update(ratio_metrics(ratio.log_ratio, mb.mask.bool()))  # the ratio this loss used, not SIS's
     records = [] if rows is None else token_records(mb, rows, mb_adv, logp=logp, log_ratio=ratio.log_ratio, sis=sis,
@@ -237,6 +249,11 @@ def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator,
     if u.algo.behaviour == "recompute":
         b = recompute_behaviour(u.model, b, k=u.algo.logprobs_k, temperature=u.temperature, chunk_size=u.chunk_size,
                                 autocast=u.autocast, micro=micro)
+    if u.algo.sis_exact:
+        if u.world > 1:
+            raise ValueError("algorithm.sis_exact=true runs in one process only (it keeps a full copy of the "
+                             f"sampling weights); this run has {u.world} ranks")
+        u.behaviour_model = copy.deepcopy(u.model).requires_grad_(False)
     all_metrics: list[Metrics] = [batch_metrics]
     skipped = 0
     perm = torch.randperm(b.size, generator=generator, device=generator.device).cpu()

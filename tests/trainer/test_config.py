@@ -23,7 +23,7 @@ def test_unknown_key_is_named() -> None:
 
 
 def test_bad_value_is_named_with_the_value() -> None:
-    with pytest.raises(ConfigError, match=r"algorithm\.ratio: .*'is', 'sis', 'tis' or 'icepop'.*\(got 'foo'\)"):
+    with pytest.raises(ConfigError, match=r"algorithm\.ratio: .*'none', 'is', 'sis', 'tis', 'icepop' or 'seqmask'.*\(got 'foo'\)"):
         config_from_dict({"algorithm": {"ratio": "foo"}, "rollout": {"source": "synthetic"}})
     with pytest.raises(ConfigError, match=r"optim\.lr: Input should be greater than 0 \(got -1\)"):
         config_from_dict({"optim": {"lr": -1}, "rollout": {"source": "synthetic"}})
@@ -37,6 +37,8 @@ def test_cross_field_rules() -> None:
     with pytest.raises(ConfigError, match=r"dynamic_sampling needs rollout\.samples_per_prompt >= 2"):
         config_from_dict({"algorithm": {"dynamic_sampling": True, "staleness": 1},
                           "rollout": {"source": "synthetic", "samples_per_prompt": 1}})
+    with pytest.raises(ConfigError, match=r"sis_exact=true needs algorithm\.ratio=sis .*behaviour=recompute \(got 'rollout'\)"):
+        config_from_dict({"algorithm": {"sis_exact": True}, "rollout": {"source": "synthetic"}})
 
 
 def test_overrides_are_typed_and_checked(tmp_path: Path) -> None:

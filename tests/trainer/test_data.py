@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from sisrl.trainer.data import MixtureSampler, QAItem, load_items
 from sisrl.trainer.data_cli import main as data_main
-from sisrl.trainer.demo_data import write_demo_data
+from sisrl.trainer.demo_data import write_demo_data, write_multihop_world
 
 
 def _items(prefix: str, n: int) -> list[QAItem]:
@@ -97,3 +98,22 @@ def test_demo_data_is_deterministic_and_answers_need_the_corpus(tmp_path: Path) 
     for it in items:  # every gold answer is written in some passage
         assert any(it.golden_answers[0] in text for text in corpus), it
     assert not set(x.id for x in load_items(a["train"])) & set(x.id for x in load_items(a["test"]))
+
+
+def test_multihop_world_mixes_hops_keeps_splits_apart_and_leaves_the_demo_world_alone(tmp_path: Path) -> None:
+    before = write_demo_data(tmp_path / "demo", seed=0)["corpus"].read_text()
+    paths = write_multihop_world(tmp_path / "mh", seed=0, people=240, towns=12, test=90, dev=30, transfer_seed=1,
+                                 transfer_test=40)
+    split = {name: [json.loads(line) for line in paths[name].read_text().splitlines()]
+             for name in ("train", "dev", "test", "transfer")}
+    assert [len(split[n]) for n in ("train", "dev", "test", "transfer")] == [120, 30, 90, 40]
+    hops = [q["id"].rsplit("_h", 1)[1] for q in split["test"]]
+    assert min(hops.count(h) for h in "123") >= 20  # about a third each
+    people = {name: {re.search(r"[A-Z][a-z]+ [A-Z][a-z]+", q["question"]).group(0) for q in split[name]}  # type: ignore[union-attr]
+              for name in ("train", "dev", "test")}
+    assert not people["train"] & people["test"] and not people["dev"] & people["test"]
+    corpus = paths["corpus"].read_text()
+    for q in split["transfer"][:5]:  # the transfer world's passages are in the shared corpus, under new names
+        assert q["golden_answers"][0] in corpus
+    assert "was taught by" in corpus
+    assert "taught by" not in before  # the demo's world (and its teacher) are unchanged

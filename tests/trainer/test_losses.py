@@ -14,7 +14,7 @@ from sisrl.trainer.losses import (
     kl_penalty,
     register_policy_loss,
 )
-from sisrl.trainer.sis import behaviour_topk, token_and_topk_logprobs, token_in_topk
+from sisrl.trainer.sis import behaviour_topk, ratio_metrics, token_and_topk_logprobs, token_in_topk
 
 
 def test_clip_hand_derived() -> None:
@@ -101,6 +101,37 @@ def test_icepop_weights_zero_the_gradient_of_out_of_range_tokens() -> None:
                                       mask=torch.ones(1, 2), weights=res.weights)
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[0, 0] == 0 and grad[0, 1] != 0
+
+
+def test_none_ratio_is_one_with_the_on_policy_gradient() -> None:
+    logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    res = compute_log_ratio("none", logp=logp, logq=torch.tensor([[-3.0, 0.0]]), mask=torch.ones(1, 2))
+    torch.testing.assert_close(res.log_ratio.exp(), torch.ones(1, 2))
+    (grad,) = torch.autograd.grad(res.log_ratio.exp().sum(), logp)
+    torch.testing.assert_close(grad, torch.ones(1, 2))  # d exp(logp - sg(logp)) / d logp = 1: grad log pi
+
+
+@pytest.mark.parametrize(("mode", "kept"), [("sequence", [1.0, 0.0, 0.0]), ("geometric", [1.0, 1.0, 0.0])])
+def test_seqmask_masks_whole_sequences_outside_the_bounds(mode: str, kept: list[float]) -> None:
+    # sequence log-ratios: row 0 sum 0.4 (mean 0.2); row 1 sum 1.2 over 3 tokens (mean 0.4); row 2 sum -1.6 over
+    # 2 tokens (mean -0.8); bounds [0.5, 2] in ratio = [-0.693, 0.693] in log; the padding of row 2 counts nowhere
+    logq = torch.tensor([[-0.2, -0.2, 0.0], [-0.4, -0.4, -0.4], [0.8, 0.8, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    res = compute_log_ratio("seqmask", logp=torch.zeros(3, 3), logq=logq, mask=mask, seqmask_mode=mode,
+                            seqmask_high=2.0)
+    assert res.weights is not None
+    torch.testing.assert_close(res.weights[:, 0], torch.tensor(kept))
+    assert math.isclose(res.metrics["seqmask/masked_seq_frac"].item(), 1 - sum(kept) / 3, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="seqmask bounds"):
+        compute_log_ratio("seqmask", logp=torch.zeros(1, 1), logq=torch.zeros(1, 1), mask=torch.ones(1, 1),
+                          seqmask_low=3.0, seqmask_high=2.0)
+
+
+def test_ratio_ess_is_kish_share() -> None:
+    log_ratio = torch.log(torch.tensor([[1.0, 1.0, 4.0, 9.0]]))
+    mask = torch.tensor([[True, True, True, False]])
+    ess = ratio_metrics(log_ratio, mask)["sis/ratio_ess"].item()
+    assert math.isclose(ess, (6 / 3) ** 2 / (18 / 3), rel_tol=1e-6)  # (mean r)^2 / mean r^2 over 1, 1, 4
 
 
 def _sis_batch(seed: int):

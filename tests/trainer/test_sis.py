@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from sisrl.trainer.losses import get_policy_loss
 from sisrl.trainer.sis import (
     behaviour_topk,
+    exact_log_m,
     gather_logprobs,
     sis_log_ratio,
     token_and_topk_logprobs,
@@ -63,6 +64,29 @@ def test_exact_mode_detects_a_wrong_target() -> None:
     y, acc, _, _, _ = _draw(pi_logits, q_logits, n=200_000, k=V, seed=1)
     counts = torch.bincount(y[acc], minlength=V).double()
     assert _chi2_pvalue(counts, torch.softmax(q_logits, -1)) < 1e-6
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_exact_log_m_gives_the_decisions_of_top_k_at_k_equal_v(chunk_size: int | None) -> None:
+    """`log_m` from the two full distributions (no [B, T, V] id tensor) decides as the top-K path with K = V."""
+    torch.manual_seed(3)
+    logits_q = torch.randn(2, 7, V)
+    logits_p = logits_q + 0.3 * torch.randn(2, 7, V)
+    y = torch.distributions.Categorical(logits=logits_q).sample()
+    mask = torch.ones(2, 7)
+    mask[1, 4:] = 0
+    logq, topk_ids, topk_logq = behaviour_topk(logits_q, y, V)
+    logp, topk_logp = token_and_topk_logprobs(logits_p, y, topk_ids)
+    full = sis_log_ratio(logp=logp, logq=logq, topk_logp=topk_logp, topk_logq=topk_logq,
+                         in_topk=token_in_topk(y, topk_ids), mask=mask, generator=torch.Generator().manual_seed(0))
+    log_m = exact_log_m(logits_p, logits_q, chunk_size=chunk_size)
+    exact = sis_log_ratio(logp=logp, logq=logq, topk_logp=topk_logp[..., :1], topk_logq=topk_logq[..., :1],
+                          in_topk=torch.zeros_like(y, dtype=torch.bool), mask=mask,
+                          generator=torch.Generator().manual_seed(0), log_m=log_m)
+    torch.testing.assert_close(exact.log_m, full.log_m)
+    assert torch.equal(exact.accepted, full.accepted) and exact.accepted.any() and not exact.accepted.all()
+    torch.testing.assert_close(exact.log_ratio, full.log_ratio)
+    assert exact.metrics["sis/xi_k"].item() == 0.0
 
 
 def test_topk_mode_follows_pi_restricted_and_tv_matches_xi() -> None:

@@ -76,6 +76,29 @@ def test_recompute_q_accepts_every_top_k_token_on_the_first_update(tmp_path_fact
     assert out["sis/D"] == 0.0 and out["sis/D_sis"] == 0.0
 
 
+def test_exact_sis_accepts_every_token_at_the_first_update_and_fewer_after(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Exact SIS (K = V): the first mini-batch sees pi == q over the whole vocabulary, so every token (not only
+    # those in a top-K) is accepted, xi is 0; later mini-batches of the same batch see the moved pi against the
+    # kept copy of the sampling weights, so some tokens are rejected. Samples at temperature 1: many lie outside
+    # any small top-K.
+    torch.set_num_threads(1)
+    cfg = synthetic_config(tmp_path_factory.mktemp("x"), rollout={"prompts_per_step": 2, "samples_per_prompt": 4},
+                           algorithm={"behaviour": "recompute", "staleness": 4, "sis_exact": True, "logprobs_k": 2},
+                           optim={"lr": 0.05})
+    model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    trajs = SyntheticSource(model, cfg.rollout, k=2, seed=0, vocab_size=len(tok)).rollouts([], 0, 0)
+    b = replace(collate(trajs, pad_id=int(tok.pad_token_id), k=2), rewards=torch.arange(8, dtype=torch.float32))
+    u = _updater(cfg)
+    first = train_on_batch(replace(u, algo=cfg.algorithm.model_copy(update={"staleness": 1})), b,
+                           torch.Generator().manual_seed(0))
+    assert first["sis/accept_rate"] == 1.0 and first["sis/xi_k"] == 0.0
+    u = _updater(cfg)
+    out = train_on_batch(u, b, torch.Generator().manual_seed(0))
+    assert u.behaviour_model is not None and u.behaviour_model is not u.model
+    assert 0.0 < out["sis/accept_rate"] < 1.0 and out["sis/xi_k"] == 0.0
+
+
 def test_rank_shards_cover_the_mini_batch_once(setup: tuple[TrainConfig, RolloutBatch]) -> None:
     _, b = setup
     mb = b.select(torch.arange(7))

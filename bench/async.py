@@ -242,6 +242,7 @@ def main() -> None:
         finally:
             gateway.stop()
             retriever.stop()
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the record names the machine's cores, not one
     say(table(done))
     record(args, done)
 

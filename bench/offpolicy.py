@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="plain IS at N in --ns for each --lrs, seed 0, evaluated on the dev split only; writes "
                            "WORKDIR/regime.json (the lr the grid uses) and a record")
     mode.add_argument("--plan", action="store_true", help="print the grid's runs and which are done; run nothing")
+    p.add_argument("--report", action="store_true",
+                   help="write the record and figure from the runs the ledger holds for the chosen cells; run nothing")
     p.add_argument("--axes", nargs="+", default=["N", "k", "precision", "combined", "K"],
                    choices=["N", "k", "precision", "combined", "K"], help="grid axes (default: all)")
     p.add_argument("--ratios", nargs="+", default=list(RATIOS), choices=RATIOS, help="ratios (default: all)")
@@ -605,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
             say(f"{c.key:40s} {sum((c.key, s) in done for s in seeds)}/{len(seeds)} seeds done")
         say(f"{len(cells) * len(seeds)} runs in all, {sum((c.key, s) in done for c in cells for s in seeds)} done")
         return
-    rows = run_cells(args, cells, seeds, ledger, splits)
+    rows = load_rows(ledger) if args.report else run_cells(args, cells, seeds, ledger, splits)
     keys = {c.key for c in cells}
     report(args, [r for r in rows if r["key"] in keys and r["seed"] in seeds], note)
 

@@ -10,9 +10,10 @@ the script. Script file (JSON): `{"rules": [{"match": "capital", "turns": ["<sea
 Teacher mode (demonstrations for a warm start): a rule may name `extract`ed values, each the first regex group
 of a `pattern` applied to the question (`"from": "question"`), to the latest `<information>` block the
 gateway inserted (`"from": "info"`) or to the latest search query (`"from": "query"`, the text between the last
-`<search>` and `</search>`: what a three-hop chain searched for). Turns use them as `{name}`; a pattern may use an earlier value as `{name}`
-(inserted regex-escaped). When a pattern finds nothing (the retriever did not return the evidence), the turn is
-the rule's `fallback` instead, so a demonstration only answers from what was actually retrieved.
+`<search>` and `</search>`: what a three-hop chain searched for). Turns use them as `{name}`; a pattern may use
+an earlier value as `{name}` (inserted regex-escaped). When a pattern finds nothing (the retriever did not return
+the evidence), the turn is the rule's `fallback` instead, so a demonstration only answers from what was actually
+retrieved.
 """
 
 from __future__ import annotations

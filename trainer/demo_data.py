@@ -188,7 +188,8 @@ def multihop_teacher_script() -> dict[str, object]:
     person = {"from": "question", "pattern": _PERSON}
     teacher = {"from": "info", "pattern": _TAUGHT}
     searched = {"from": "query", "pattern": "^" + _PERSON + "$"}
-    teacher_town = {"from": "info", "pattern": _PERSON_PASSAGE.replace("{person}", "{searched}") + r"[a-z]+ from ([A-Z][a-z]+)\."}
+    teacher_town = {"from": "info",
+                    "pattern": _PERSON_PASSAGE.replace("{person}", "{searched}") + r"[a-z]+ from ([A-Z][a-z]+)\."}
     town = {"from": "info", "pattern": _PERSON_PASSAGE + r"[a-z]+ from ([A-Z][a-z]+)\."}
     occupation = {"from": "info", "pattern": _PERSON_PASSAGE + r"([a-z]+) from"}
     year = {"from": "info", "pattern": r"is a small town in the [a-z ]+\. It was founded in (\d+)"}

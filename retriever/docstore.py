@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-from sisrl.retriever.corpus import Passage
+from sisrl.retriever.corpus import Passage, parse_line
+from sisrl.retriever.manifest import DOCS_FILE
 
-DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "offsets.int64"
 
 
@@ -56,10 +56,14 @@ class DocStoreWriter:
 
 
 class DocStore:
-    """Read-only row -> Passage lookup over a committed store."""
+    """Read-only row -> Passage lookup over a committed store.
 
-    def __init__(self, directory: Path) -> None:
-        docs_path, offsets_path = directory / DOCS_FILE, directory / OFFSETS_FILE
+    `docs`: the JSONL file the offsets point into, when it is not the store's own `docs.jsonl` (an imported
+    index reads its corpus in place, retriever/prebuilt.py); its lines are then checked as they are read.
+    """
+
+    def __init__(self, directory: Path, docs: Path | None = None) -> None:
+        docs_path, offsets_path = docs or directory / DOCS_FILE, directory / OFFSETS_FILE
         for path in (docs_path, offsets_path):
             if not path.is_file():
                 raise FileNotFoundError(f"document store file {str(path)!r} is missing")
@@ -73,6 +77,7 @@ class DocStore:
                 "the store is truncated or from another build"
             )
         self._fd = os.open(docs_path, os.O_RDONLY)
+        self._where = str(docs_path)  # named in a bad line's error
 
     def __len__(self) -> int:
         return int(self._offsets.shape[0]) - 1
@@ -81,16 +86,14 @@ class DocStore:
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} outside the store's 0..{len(self) - 1}")
         start, end = int(self._offsets[row]), int(self._offsets[row + 1])
-        obj = json.loads(os.pread(self._fd, end - start, start))
-        return Passage(id=obj["id"], contents=obj["contents"])
+        return parse_line(os.pread(self._fd, end - start, start), where=f"{self._where}: row {row}")
 
     def iter_range(self, start: int, stop: int) -> Iterable[Passage]:
         """Rows start..stop-1 read in one sequential pass (for encoding shards)."""
         begin, end = int(self._offsets[start]), int(self._offsets[stop])
         blob = os.pread(self._fd, end - begin, begin)
-        for line in blob.splitlines():
-            obj = json.loads(line)
-            yield Passage(id=obj["id"], contents=obj["contents"])
+        for row, line in enumerate(blob.splitlines(), start=start):
+            yield parse_line(line, where=f"{self._where}: row {row}")
 
     def close(self) -> None:
         os.close(self._fd)

@@ -333,11 +333,12 @@ def ivf_part(index: Any) -> Any:
 
 
 def load_faiss(directory: Path, *, count: int, dim: int, gpu: bool = False, mmap: bool = False,
-               nprobe: int = 32, ef_search: int = 128) -> Any:
-    """Read `index.faiss`, check it against the manifest's count and dimension, set search-time knobs."""
+               nprobe: int = 32, ef_search: int = 128, path: Path | None = None) -> Any:
+    """Read `index.faiss` (or `path`: an imported index's file), check it against the manifest's count and
+    dimension, set search-time knobs."""
     import faiss
 
-    path = directory / FAISS_FILE
+    path = path or directory / FAISS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"FAISS file {str(path)!r} is missing")
     index: Any = faiss.read_index(str(path), faiss.IO_FLAG_MMAP if mmap else 0)

@@ -13,6 +13,10 @@ from sisrl.common.atomic import write_json
 MANIFEST_FILE = "manifest.json"
 FORMAT = "sisrl-retriever-index/1"
 FAISS_FILE = "index.faiss"
+DOCS_FILE = "docs.jsonl"
+# Where a build keeps each file; `Manifest.files` overrides them for an imported index (retriever/prebuilt.py),
+# whose FAISS file and corpus stay where they were made.
+BUILT_FILES = {"faiss": FAISS_FILE, "docs": DOCS_FILE}
 # Identity keys that describe how an encoder runs, not what vectors it makes: they may differ between build and
 # serve (e.g. build in bf16 on a GPU, serve in fp32 on a CPU).
 RUNTIME_KEYS = frozenset({"dtype", "device", "batch_size"})
@@ -53,6 +57,11 @@ class Manifest:
     def save(self, directory: Path) -> None:
         write_json(directory / MANIFEST_FILE, asdict(self))
 
+    def path(self, directory: Path, role: str) -> Path:
+        """Where the index in `directory` keeps its `role` file (`faiss` | `docs`): `files[role]`, absolute or
+        relative to `directory`, else the build's own name."""
+        return directory / self.files.get(role, BUILT_FILES[role])
+
 
 def load_manifest(directory: Path) -> Manifest:
     """Read and validate `directory/manifest.json`; raise ManifestError naming what is wrong."""
@@ -79,12 +88,14 @@ def load_manifest(directory: Path) -> Manifest:
 def _check_types(manifest: Manifest, path: Path) -> None:
     expected: dict[str, type | tuple[type, ...]] = {
         "dim": int, "count": int, "index_type": str, "corpus_sha256": str, "normalized": bool,
-        "encoder_identity": dict, "index_params": dict,
+        "encoder_identity": dict, "index_params": dict, "files": dict,
     }
     for name, kind in expected.items():
         value = getattr(manifest, name)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ManifestError(f"{path}: field {name!r} = {value!r} is not a {getattr(kind, '__name__', kind)}")
+    if not all(isinstance(k, str) and isinstance(v, str) and k in BUILT_FILES for k, v in manifest.files.items()):
+        raise ManifestError(f"{path}: field 'files' = {manifest.files!r} is not a map of {sorted(BUILT_FILES)} to paths")
     if manifest.dim <= 0 or manifest.count < 0:
         raise ManifestError(f"{path}: dim={manifest.dim}, count={manifest.count} are not a valid index size")
     if manifest.metric != "inner_product" or not manifest.normalized:

@@ -14,6 +14,7 @@ from sisrl.retriever.docstore import DocStore
 from sisrl.retriever.encoder import Encoder, EncoderConfig, load_encoder
 from sisrl.retriever.index import ShardVectors, load_faiss
 from sisrl.retriever.manifest import Manifest, ManifestError, identity_mismatch, load_manifest
+from sisrl.retriever.prebuilt import check_files
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def open_searcher(directory: Path, options: SearcherOptions | None = None) -> Se
     options = options or SearcherOptions()
     started = time.perf_counter()
     manifest = load_manifest(directory)
+    check_files(manifest, directory)  # an imported index's files live elsewhere: are they still there?
     if options.encoder is not None and options.encoder != manifest.encoder.model:
         # The model is part of the identity: a different one cannot match, so say so before loading it.
         raise ManifestError(f"encoder {options.encoder!r} does not match the index at {directory} (built with "
@@ -102,12 +104,13 @@ def open_searcher(directory: Path, options: SearcherOptions | None = None) -> Se
     # The encoder is checked before the (possibly tens of GB) FAISS file is read: a mismatch fails in seconds.
     encoder = load_encoder(encoder_config(manifest, options), threads=options.threads)
     check_encoder(manifest, encoder, directory)
-    store = DocStore(directory)
+    store = DocStore(directory, docs=manifest.path(directory, "docs"))
     try:
         if len(store) != manifest.count:
             raise ManifestError(f"{directory}: document store has {len(store)} passages, manifest says {manifest.count}")
         index = load_faiss(directory, count=manifest.count, dim=manifest.dim, gpu=options.faiss_gpu,
-                           mmap=options.mmap_index, nprobe=options.nprobe, ef_search=options.ef_search)
+                           mmap=options.mmap_index, nprobe=options.nprobe, ef_search=options.ef_search,
+                           path=manifest.path(directory, "faiss"))
         # A flat index is exact already: re-ranking it would only cost time.
         exact = ShardVectors(directory, manifest.count, manifest.dim) \
             if options.rerank and manifest.index_type != "flat" else None

@@ -17,7 +17,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SISRL_RETRIEVER_", frozen=True, extra="forbid")
 
-    index: Path = Field(description="index directory made by `sisrl-retriever build`")
+    index: Path = Field(description="index directory made by `sisrl-retriever build` or `import`")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 only inside a container")
     port: int = Field(RETRIEVER_PORT, ge=0, le=65535, description="TCP port")
     encoder: str | None = Field(None, description="encoder model; default: the one recorded in the index manifest")

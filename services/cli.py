@@ -8,6 +8,7 @@ import sys
 from pydantic import ValidationError
 from sisrl.common.cli import add_options, field_options, flag_problems, given
 from sisrl.common.procs import port_problem
+from sisrl.services.retrieval_client import ROUTE
 from sisrl.services.settings import GatewaySettings
 
 _ALIASES = {"retriever_url": ("--retriever",), "db_url": ("--db",)}  # short flags of the documented command
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(settings.log_level)
     base = f"http://{settings.host}:{settings.port}"
-    mode = "store-only: no engine" if settings.store_only else f"engine {settings.engine}"
+    # The retriever as it will be posted to: a URL given as base or as /retrieve endpoint shows the same here.
+    retrievers = ", ".join(url + ROUTE for url in settings.retriever_urls)
+    mode = "store-only: no engine" if settings.store_only else f"engine {settings.engine}; retriever {retrievers}"
     print(f"sisrl-gateway: serving on {base} ({mode}); viewer at {base}/ui", file=sys.stderr)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=10)

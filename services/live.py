@@ -80,7 +80,7 @@ def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clo
     metrics.policy_version.set(engine.policy_version)
     metrics.watch_engines(engine)
     retriever = RetrievalClient(
-        settings.retriever_url, topk=settings.topk, timeout_s=settings.retriever_timeout_s,
+        settings.retriever_urls, topk=settings.topk, timeout_s=settings.retriever_timeout_s,
         retry=RetryPolicy(retries=settings.retriever_retries, backoff_s=settings.retriever_backoff_s),
         batch_size=settings.retriever_batch_size, window_s=settings.retriever_window_ms / 1000,
         on_request=metrics.record_retriever,

@@ -10,6 +10,9 @@ in flight. One that fails (transport error, timeout, 429, 5xx) is marked down fo
 retried at once on another; a down one is probed back (`GET /health`) once its time is up, before it gets
 queries again. Only when every retriever is down does a retry wait out the backoff; a request that fails on
 all of them for `retry.retries + 1` attempts raises `RetrievalError` naming each one's last reason.
+
+A retriever URL is its base URL or its `/retrieve` endpoint (Search-R1's `retriever.url` is the endpoint): both
+name the same server (`retriever_urls`), and every error and warning names the endpoint that was posted to.
 Wire format: docs/design.md, "Retrieval" (Search-R1 `retrieval_server.py` request/response shapes).
 """
 
@@ -27,6 +30,9 @@ import httpx
 from sisrl.services.outage import mark_down
 
 log = logging.getLogger(__name__)
+
+
+ROUTE = "/retrieve"  # Search-R1's retrieval route, relative to a retriever's base URL
 
 
 class RetrievalError(RuntimeError):
@@ -73,12 +79,19 @@ class Endpoint:
     def down(self) -> bool:
         return self.failures > 0
 
+    @property
+    def endpoint(self) -> str:
+        return self.url + ROUTE
 
-def split_urls(urls: str | Sequence[str], what: str = "retriever") -> list[str]:
+
+def split_urls(urls: str | Sequence[str], what: str = "retriever", *, route: str | None = None) -> list[str]:
     """`"http://a:1, http://b:2"` or a list -> distinct base URLs without a trailing slash; none is an error.
-    `what` names the servers in the error ("retriever", "engine")."""
+    `what` names the servers in the error ("retriever", "engine"); `route`, when given, is cut from a URL that
+    ends with it (`http://a:1/retrieve/` -> `http://a:1`), before URLs are compared."""
     items = urls.split(",") if isinstance(urls, str) else list(urls)
     out = [u.strip().rstrip("/") for u in items if u.strip()]
+    if route is not None:
+        out = [u.removesuffix(route).rstrip("/") for u in out]
     if not out:
         raise ValueError(f"expected at least one {what} URL, got {urls!r}")
     for url in out:
@@ -87,6 +100,27 @@ def split_urls(urls: str | Sequence[str], what: str = "retriever") -> list[str]:
     if len(set(out)) != len(out):
         raise ValueError(f"{what} URLs must be distinct, got {out}")
     return out
+
+
+def retriever_urls(urls: str | Sequence[str]) -> list[str]:
+    """Retriever base URLs from the base or the `/retrieve` endpoint of each (comma-separated, or a list)."""
+    return split_urls(urls, route=ROUTE)
+
+
+def _hint(status: int) -> str:
+    """What a refusal most likely means, for the error text."""
+    if status in (404, 405):
+        return " (no Search-R1 /retrieve route there: give the retriever's base URL or its /retrieve endpoint)"
+    return ""
+
+
+def _report(ep: Endpoint, problem: str) -> None:
+    """The start-up check's one line per retriever (`RetrievalClient.check`)."""
+    if problem:
+        log.warning("retriever %s does not answer at start-up: %s; every search fails until it does",
+                    ep.endpoint, problem)
+    else:
+        log.info("retriever %s answers", ep.endpoint)
 
 
 class RetrievalClient:
@@ -104,7 +138,7 @@ class RetrievalClient:
         down_s: float = 5.0,
         on_request: Callable[[str, float], None] | None = None,
     ) -> None:
-        self.endpoints = [Endpoint(u) for u in split_urls(url)]
+        self.endpoints = [Endpoint(u) for u in retriever_urls(url)]
         self.url = self.endpoints[0].url  # the first one (kept for callers that know a single retriever)
         self.topk = topk
         self.retry = retry or RetryPolicy()
@@ -116,9 +150,10 @@ class RetrievalClient:
         self._pending: list[tuple[str, asyncio.Future[list[Passage]]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._sends: set[asyncio.Task[None]] = set()
+        self._check: asyncio.Task[None] | None = None
 
     async def aclose(self) -> None:
-        for task in list(self._sends):
+        for task in [*self._sends, *([self._check] if self._check else [])]:
             task.cancel()
         await self._client.aclose()
 
@@ -194,11 +229,11 @@ class RetrievalClient:
                 return reason
             reasons[ep.url] = reason
             self._mark_down(ep, reason)
-            log.warning("retriever %s attempt %d/%d failed: %s", ep.url, attempt + 1, self.retry.retries + 1, reason)
-        where = "; ".join(f"{url}: {why}" for url, why in reasons.items())
+            log.warning("retriever %s attempt %d/%d failed: %s", ep.endpoint, attempt + 1, self.retry.retries + 1, reason)
+        where = "; ".join(f"{url}{ROUTE}: {why}" for url, why in reasons.items())
         if len(self.endpoints) == 1:
-            raise RetrievalError(f"retriever {self.url} unavailable after {self.retry.retries + 1} attempts: "
-                                 f"{reasons[self.url]}")
+            raise RetrievalError(f"retriever {self.url}{ROUTE} unavailable after {self.retry.retries + 1} "
+                                 f"attempts: {reasons[self.url]}")
         raise RetrievalError(f"all {len(self.endpoints)} retrievers unavailable after {self.retry.retries + 1} "
                              f"attempts: {where}")
 
@@ -207,7 +242,7 @@ class RetrievalClient:
         raises at once, since every retriever would reject it alike."""
         ep.in_flight += 1
         try:
-            resp = await self._client.post(f"{ep.url}/retrieve", json=body)
+            resp = await self._client.post(ep.endpoint, json=body)
         except httpx.TimeoutException as exc:
             reason = f"timeout ({type(exc).__name__})"
         except httpx.TransportError as exc:
@@ -219,7 +254,8 @@ class RetrievalClient:
             reason = f"HTTP {resp.status_code}: {resp.text[:200]}"
             if resp.status_code < 500 and resp.status_code != 429:
                 self._record("rejected", n)
-                raise RetrievalError(f"retriever {ep.url} rejected the request: {reason}")
+                raise RetrievalError(f"retriever {ep.endpoint} rejected the request: {reason}"
+                                     f"{_hint(resp.status_code)}")
         finally:
             ep.in_flight -= 1
         self._record("error", n)
@@ -245,3 +281,49 @@ class RetrievalClient:
             if await self._probe(ep):
                 return True
         return False
+
+    async def check(self, *, patience_s: float = 30.0, every_s: float = 1.0) -> None:
+        """Send each retriever one single-query `POST /retrieve` now and log the outcome before the caller goes on:
+        info when it answers, a warning naming the endpoint and the reason when it refuses (a 4xx: the wrong
+        URL). One that does not answer (down, or still loading its index) is asked again every `every_s` by a
+        background task (cancelled by `aclose`), and named in a warning when `patience_s` pass without an answer.
+        Searches never wait for this, and it counts in no metric."""
+        tries = await asyncio.gather(*(self._try_retrieve(ep, timeout_s=5.0) for ep in self.endpoints))
+        later: list[Endpoint] = []
+        for ep, (problem, refused) in zip(self.endpoints, tries, strict=True):
+            if problem and not refused:
+                later.append(ep)
+            else:
+                _report(ep, problem)
+        if later:
+            self._check = asyncio.create_task(self._keep_asking(later, patience_s, every_s))
+
+    async def _keep_asking(self, endpoints: list[Endpoint], patience_s: float, every_s: float) -> None:
+        async def one(ep: Endpoint) -> None:
+            deadline = time.monotonic() + patience_s
+            problem, refused = "no answer", False
+            while time.monotonic() + every_s <= deadline:
+                await asyncio.sleep(every_s)
+                problem, refused = await self._try_retrieve(ep, timeout_s=5.0)
+                if not problem or refused:
+                    break
+            _report(ep, problem if not problem or refused else f"{problem}; asked for {patience_s:g} s")
+
+        await asyncio.gather(*(one(ep) for ep in endpoints))
+
+    async def _try_retrieve(self, ep: Endpoint, *, timeout_s: float) -> tuple[str, bool]:
+        """(problem, refused) of one single-query `POST /retrieve`: problem "" when it answered; refused when the
+        answer was a 4xx other than 429 (or unusable), which asking again does not change."""
+        body = {"queries": ["start-up check"], "topk": 1, "return_scores": True}
+        try:
+            resp = await self._client.post(ep.endpoint, json=body, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return f"no answer ({type(exc).__name__}: {exc})", False
+        if resp.status_code != 200:
+            refused = resp.status_code < 500 and resp.status_code != 429
+            return f"HTTP {resp.status_code}: {resp.text[:200]}{_hint(resp.status_code)}", refused
+        try:
+            self._parse(resp.json(), 1)
+        except (RetrievalError, ValueError) as exc:
+            return str(exc), True
+        return "", True

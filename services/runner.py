@@ -110,20 +110,25 @@ class BatchRunner:
 
     async def _finish(self, batch_id: str, tasks: set[asyncio.Task[None]]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
-        status = await asyncio.to_thread(self._final_status, batch_id)
+        status, first_error = await asyncio.to_thread(self._final_status, batch_id)
         self._batches.pop(batch_id, None)
         self._changed.pop(batch_id, asyncio.Event()).set()  # wakes streamers; they see the batch stopped
-        log.info("batch %s finished: %s", batch_id, status)
+        if status == "failed":  # every trajectory ended with an error: most often one cause, named here
+            log.warning("batch %s failed: every trajectory ended with an error, the first: %s", batch_id, first_error)
+        else:
+            log.info("batch %s finished: %s", batch_id, status)
 
-    def _final_status(self, batch_id: str) -> str:
+    def _final_status(self, batch_id: str) -> tuple[str, str | None]:
+        """Store and return the batch's final status, with the first trajectory error (None when none)."""
         with self.deps.sessions() as session:
             row = store.get_batch(session=session, batch_id=batch_id)
             assert row is not None, f"batch {batch_id} vanished from the store"
             stored, errors = store.count_errors(session=session, batch_id=batch_id)
             status = "partial" if stored < row.total else ("failed" if errors == stored else "done")
             store.set_batch_status(session=session, batch_id=batch_id, status=status)
+            first_error = store.first_error(session=session, batch_id=batch_id) if errors else None
         self.claims.release(batch_id)  # after the status is committed: whoever claims next reads it
-        return status
+        return status, first_error
 
     async def _one(self, batch_id: str, request: RolloutCreate, item_index: int, sample_index: int) -> None:
         queued = time.perf_counter()

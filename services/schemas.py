@@ -198,6 +198,8 @@ class BatchPublic(BaseModel):
     progress: Progress
     missing_items: list[str] = Field(description="item ids that still lack some of their samples")
     trajectories: list[Trajectory] | None = Field(description="all trajectories, once the batch is done")
+    error: str | None = Field(description="the error of the first stored trajectory that ended with one (a failed "
+                              "batch's reason: every trajectory ended with an error); null when none did")
 
 
 # ---- runs ------------------------------------------------------------------------------------------------------
@@ -364,6 +366,15 @@ class PolicyPublic(BaseModel):
     path: str | None
 
 
+class RolloutSettings(BaseModel):
+    """The gateway's settings that shape every trajectory and reward and that no request carries (set at its start)."""
+
+    topk: int = Field(description="passages per search (--topk)")
+    observation_max_tokens: int = Field(description="token budget of one <information> block (--observation-max-tokens)")
+    max_response_tokens: int = Field(description="sampled + inserted tokens per trajectory (--max-response-tokens)")
+    format_weight: float = Field(description="weight of the format reward (--format-weight)")
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     policy_version: int | None = Field(description="version loaded in the engine; null when store-only")
@@ -374,3 +385,5 @@ class Health(BaseModel):
     inflight_trajectories: int
     store_only: bool
     token_required: bool = Field(description="every route but /health and /ui needs `Authorization: Bearer`")
+    rollout: RolloutSettings | None = Field(default=None, description="the settings every trajectory here is made "
+                                            "with that a request cannot set; null when store-only")

@@ -11,7 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sisrl.common.hardware import DTYPE_NAMES
 from sisrl.common.wire import GATEWAY_PORT, RETRIEVER_URL, RUNS_ROOT
-from sisrl.services.retrieval_client import split_urls
+from sisrl.services.retrieval_client import retriever_urls, split_urls
 
 ENGINES = ("local", "vllm-http", "vllm", "scripted")
 
@@ -52,7 +52,8 @@ class GatewaySettings(BaseSettings):
     script_base: str | None = Field(default=None, description="engine scripted: also run this engine (local | "
                                     "vllm-http) on every real context, as many tokens as the scripted turn; the "
                                     "script's tokens are recorded (unset: the script alone)")
-    retriever_url: str = Field(default=RETRIEVER_URL, description="Search-R1 compatible retriever; several, "
+    retriever_url: str = Field(default=RETRIEVER_URL, description="Search-R1 compatible retriever: its base URL "
+                               "or its /retrieve endpoint (as Search-R1's retriever.url); several, "
                                "comma-separated, share the queries (least in flight; a failing one is skipped "
                                "and probed back)")
     db_url: str = Field(default="sqlite:///gateway.db", description="SQLAlchemy URL of the rollout store")
@@ -100,7 +101,7 @@ class GatewaySettings(BaseSettings):
                 raise ValueError(f"engine_weights_route / engine_after_weights_routes: expected routes starting "
                                  f"with '/', got {route!r}")
         try:
-            split_urls(self.retriever_url)
+            retriever_urls(self.retriever_url)
         except ValueError as exc:
             raise ValueError(f"retriever_url: {exc}") from None
         if self.engine_url is not None:
@@ -113,6 +114,11 @@ class GatewaySettings(BaseSettings):
         if self.api_token is not None and len(self.api_token.get_secret_value()) < 8:
             raise ValueError("api_token: expected at least 8 characters")
         return self
+
+    @property
+    def retriever_urls(self) -> list[str]:
+        """`retriever_url` split at commas, each as its base URL (a trailing `/retrieve` and `/` cut)."""
+        return retriever_urls(self.retriever_url)
 
     @property
     def engine_urls(self) -> list[str]:

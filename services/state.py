@@ -67,6 +67,7 @@ async def open_state(settings: GatewaySettings, *, clock: BusyClock, metrics: Ga
     except BaseException:
         store.dispose(sessions)
         raise
+    await live.retriever.check()  # a warning names a retriever that refuses or does not answer
     return GatewayState(settings=settings, sessions=sessions, metrics=metrics, live=live, texts=texts)
 
 

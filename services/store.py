@@ -262,6 +262,13 @@ def count_errors(*, session: Session, batch_id: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def first_error(*, session: Session, batch_id: str) -> str | None:
+    """The error of the batch's first stored trajectory that ended with one (insertion order), or None."""
+    query = (select(TrajectoryRow.error).where(TrajectoryRow.batch_id == batch_id, TrajectoryRow.error.is_not(None))
+             .order_by(TrajectoryRow.seq).limit(1))
+    return session.scalars(query).first()
+
+
 # ---- trajectories ----------------------------------------------------------------------------------------------
 def add_trajectory(*, session: Session, trajectory: Trajectory, sample_index: int) -> bool:
     """Insert one trajectory; False (and nothing written) when that (batch, item, sample) is already stored,

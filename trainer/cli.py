@@ -13,9 +13,20 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sisrl.common.cli import DefaultsHelp
-from sisrl.trainer.config import AlgorithmConfig, ConfigError, RolloutConfig, describe_fields, load_config
+from sisrl.trainer.config import (
+    AlgorithmConfig,
+    ConfigError,
+    RolloutConfig,
+    describe_fields,
+    load_config,
+    lookup,
+)
+
+if TYPE_CHECKING:
+    from sisrl.trainer.evaluate import EvalSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,15 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--api-token", default=None, help="gateway bearer token")
     e.add_argument("--limit", type=int, default=None, help="at most this many questions per file")
     e.add_argument("--version", type=int, default=None, help="policy version to announce (default: the checkpoint's step)")
-    e.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    e.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (unset: 0, greedy, as the trainer's own evaluation)")
     e.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"tokens per turn (unset: the run's rollout.max_new_tokens, else {RolloutConfig().max_new_tokens})")
     e.add_argument("--max-turns", type=int, default=None,
                    help="generations per trajectory; each search and the answer is one (unset: the run's "
                         f"rollout.max_turns, else {RolloutConfig().max_turns})")
+    e.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus mass (unset: the run's rollout.top_p, else {RolloutConfig().top_p})")
     e.add_argument("--logprobs-k", type=int, default=None,
                    help="K of the behaviour top-K the gateway records, not passages per search (unset: the run's "
                         f"algorithm.logprobs_k, else {AlgorithmConfig().logprobs_k})")
+    e.add_argument("--seed", type=int, default=None, help="sampling seed (unset: the run's seed, else 0)")
     p = sub.add_parser("plot", help="PNG curves of RUN_DIR/metrics.jsonl into RUN_DIR/plots", formatter_class=fmt)
     p.add_argument("run_dir", type=Path, help="a run directory holding metrics.jsonl")
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
@@ -102,10 +117,10 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from sisrl.trainer.data import load_items
-    from sisrl.trainer.evaluate import evaluate, export_hf
+    from sisrl.trainer.evaluate import evaluate, export_hf, gateway_note
     from sisrl.trainer.gateway_client import GatewayClient
 
-    rollout, k = eval_settings(args)
+    settings = eval_settings(args)
     hf_dir = export_hf(args.checkpoint)
     version = args.version
     if version is None:
@@ -113,33 +128,26 @@ def _eval(args: argparse.Namespace) -> int:
         version = json.loads(state.read_text())["policy_version"] if state.is_file() else 0
     items = [it for path in args.data for it in load_items(path, limit=args.limit)]
     client = GatewayClient(args.gateway_url, token=args.api_token)
+    note = gateway_note(settings.run_dir, client.health().get("rollout"))
+    print(f"{settings.describe()}; {note}", file=sys.stderr)
     client.push_policy(hf_dir.resolve(), version)
-    result = evaluate(client, items, run=f"eval-{hf_dir.parent.name}", step=version, version=version, cfg=rollout,
-                      k=k, seed=0, temperature=args.temperature)
+    v = settings.values
+    result = evaluate(client, items, run=f"eval-{hf_dir.parent.name}", step=version, version=version,
+                      cfg=settings.rollout(args.gateway_url), k=int(v["logprobs_k"]), seed=int(v["seed"]),
+                      temperature=float(v["temperature"]))
     for key, value in result.items():
         print(f"{key:32s} {value:8.4f}")
     return 0
 
 
-def eval_settings(args: argparse.Namespace) -> tuple[RolloutConfig, int]:
-    """The rollout settings and K for `eval`: each flag given wins, then the run that wrote the checkpoint, then
-    the defaults. The run's own limits matter: a policy trained to search twice, evaluated with fewer
-    generations, never gets to answer."""
-    from sisrl.trainer.evaluate import run_config
+def eval_settings(args: argparse.Namespace) -> EvalSettings:
+    """The per-request settings of `eval`: each flag given wins, then the run that wrote the checkpoint, then the
+    defaults (`evaluate.eval_settings`). The run's own limits matter: a policy trained to search twice, evaluated
+    with fewer generations, never gets to answer."""
+    from sisrl.trainer.evaluate import FOLLOWED
+    from sisrl.trainer.evaluate import eval_settings as resolve
 
-    found = run_config(args.checkpoint)
-    run = found[0] if found else {}
-    rollout_run, algo_run = run.get("rollout", {}), run.get("algorithm", {})
-    picked = {
-        "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else rollout_run.get("max_new_tokens"),
-        "max_turns": args.max_turns if args.max_turns is not None else rollout_run.get("max_turns"),
-    }
-    rollout = RolloutConfig(gateway_url=args.gateway_url, **{k: v for k, v in picked.items() if v is not None})
-    k = args.logprobs_k if args.logprobs_k is not None else algo_run.get("logprobs_k", AlgorithmConfig().logprobs_k)
-    source = f"the run's config ({found[1]})" if found else "the defaults (no run config found)"
-    print(f"eval: max_turns={rollout.max_turns} max_new_tokens={rollout.max_new_tokens} logprobs_k={k} "
-          f"temperature={args.temperature} (unset flags from {source})", file=sys.stderr)
-    return rollout, int(k)
+    return resolve(args.checkpoint, {name: getattr(args, name) for name in (*FOLLOWED, "temperature")})
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -154,7 +162,7 @@ def _config(args: argparse.Namespace) -> int:
     rows = describe_fields()
     if args.config is not None:
         dumped = load_config(args.config).model_dump()
-        rows = [(key, repr(_lookup(dumped, key)), desc) for key, _, desc in rows]
+        rows = [(key, repr(lookup(dumped, key)), desc) for key, _, desc in rows]
     if args.markdown:
         print("| key | default | description |\n|---|---|---|")
         for key, value, desc in rows:
@@ -164,13 +172,6 @@ def _config(args: argparse.Namespace) -> int:
     for key, value, desc in rows:
         print(f"{key:{width}s}  {value:24s}  {desc}")
     return 0
-
-
-def _lookup(tree: dict[str, object], dotted: str) -> object:
-    node: object = tree
-    for part in dotted.split("."):
-        node = node[part] if isinstance(node, dict) else None
-    return node
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -252,6 +252,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return config_from_dict(tree, str(path) if path else "<defaults>")
 
 
+def lookup(tree: dict[str, Any], dotted: str) -> Any:
+    """The value at `a.b.c` in a nested dict (a dumped config), or None where a part is missing."""
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def describe_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, description) for every field, sections expanded: the `sisrl-train config` table."""
     rows: list[tuple[str, str, str]] = []

@@ -2,25 +2,38 @@
 
 `sisrl-train eval --checkpoint PATH --data FILE` pushes the checkpoint's weights to the gateway (a trainer
 checkpoint is first exported as a Hugging Face directory), rolls out every question once, greedily (temperature
-0), and reports the mean EM and F1 per data source. The turn limits and K default to those of the run that wrote
-the checkpoint (`run_config`), so a checkpoint is evaluated under the protocol it was trained with.
+0), and reports the mean EM and F1 per data source. Every per-request setting the run's own evaluation sends
+(turn limits, tokens per turn, top-p, K, seed) defaults to that of the run that wrote the checkpoint
+(`run_config`), so a checkpoint is evaluated under the protocol it was trained with. The settings that only a
+gateway's start sets (passages per search, observation and response budgets, format weight) the run records in
+RUN_DIR/gateway.json (`record_gateway`), and `gateway_note` names those the evaluating gateway sets otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from sisrl.common.atomic import write_json
 from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.checkpoint import STATE_FILE
-from sisrl.trainer.config import ModelConfig, RolloutConfig
+from sisrl.trainer.config import AlgorithmConfig, ModelConfig, RolloutConfig, TrainConfig, lookup
 from sisrl.trainer.data import QAItem
 from sisrl.trainer.gateway_client import GatewayClient
 from sisrl.trainer.policy import load_policy, save_hf_directory
+
+log = logging.getLogger(__name__)
+GATEWAY_FILE = "gateway.json"  # RUN_DIR/gateway.json: the gateway's /health `rollout` settings the run used
+# The per-request rollout settings eval follows: name (= its flag) -> key in the run's config. The trainer's own
+# evaluation (`_evaluate` in loop.py) sends these from the run's config, one sample per question, greedily.
+FOLLOWED = {"max_turns": "rollout.max_turns", "max_new_tokens": "rollout.max_new_tokens",
+            "top_p": "rollout.top_p", "logprobs_k": "algorithm.logprobs_k", "seed": "seed"}
 
 
 def export_hf(checkpoint: Path) -> Path:
@@ -60,6 +73,84 @@ def run_config(checkpoint: Path) -> tuple[dict[str, Any], Path] | None:
         if isinstance(cfg, dict) and isinstance(cfg.get("rollout"), dict):  # not a model's config.json
             return cfg, path
     return None
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What `sisrl-train eval` sends with its batch, and where each value came from."""
+
+    values: dict[str, Any]  # every FOLLOWED name, and temperature
+    sources: dict[str, str]  # the same names -> "flag", "run" or "default"
+    run_file: Path | None  # the run config followed; None when no sisrl-train run wrote the checkpoint
+    run_dir: Path | None  # the run's directory (where GATEWAY_FILE lies)
+
+    def rollout(self, gateway_url: str) -> RolloutConfig:
+        """The rollout section `evaluate` sends (it sets one sample per question and the temperature)."""
+        v = self.values
+        return RolloutConfig(gateway_url=gateway_url, max_turns=v["max_turns"], max_new_tokens=v["max_new_tokens"],
+                             top_p=v["top_p"])
+
+    def describe(self) -> str:
+        """One line: each value and its source (`max_turns=3 (run) ... seed=2 (flag) ...`) and the run's file."""
+        shown = " ".join(f"{name}={value} ({self.sources[name]})" for name, value in self.values.items())
+        origin = f"the run's config {self.run_file}" if self.run_file else "no run config found: the defaults"
+        return f"eval: {shown} samples_per_item=1; unset flags from {origin}"
+
+
+def eval_settings(checkpoint: Path, flags: dict[str, Any]) -> EvalSettings:
+    """Each FOLLOWED setting from its flag when given (not None), else from the run that wrote `checkpoint`, else
+    the default; temperature from its flag, else 0 (greedy, as the trainer's own evaluation)."""
+    found = run_config(checkpoint)
+    run = found[0] if found else {}
+    defaults = {"rollout": RolloutConfig().model_dump(), "algorithm": AlgorithmConfig().model_dump(),
+                "seed": TrainConfig.model_fields["seed"].default}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, key in FOLLOWED.items():
+        for source, value in (("flag", flags.get(name)), ("run", lookup(run, key)), ("default", lookup(defaults, key))):
+            if value is not None:
+                values[name], sources[name] = value, source
+                break
+    temperature = flags.get("temperature")
+    values["temperature"] = 0.0 if temperature is None else temperature
+    sources["temperature"] = "flag" if temperature is not None else "default: greedy, as the trainer's eval"
+    if found is None:
+        return EvalSettings(values=values, sources=sources, run_file=None, run_dir=None)
+    run_file = found[1]  # RUN_DIR/config.json, or RUN_DIR/checkpoints/step_N/trainer_state.json
+    run_dir = run_file.parent if run_file.name == "config.json" else checkpoint.parent.parent
+    return EvalSettings(values=values, sources=sources, run_file=run_file, run_dir=run_dir)
+
+
+def record_gateway(run_dir: Path, rollout: dict[str, Any] | None) -> None:
+    """Write the gateway's `rollout` settings (its /health: passages per search, budgets, format weight) to
+    RUN_DIR/gateway.json; no request carries them, so only this record lets `eval` compare. A resumed run whose
+    gateway was started with other values is warned about (its batches then mix both)."""
+    if rollout is None:  # a gateway that reports none (store-only cannot roll out; an older gateway)
+        return
+    path = run_dir / GATEWAY_FILE
+    if path.is_file() and (changed := _differences(json.loads(path.read_text()), rollout)):
+        log.warning("the gateway's settings changed since this run last started: %s", "; ".join(changed))
+    write_json(path, rollout)
+
+
+def gateway_note(run_dir: Path | None, rollout: dict[str, Any] | None) -> str:
+    """What the eval line says of the gateway's own settings (`rollout` from its /health) against the run's."""
+    if rollout is None:
+        return "the gateway reports no rollout settings (passages per search, budgets): not compared"
+    shown = " ".join(f"{key}={value}" for key, value in rollout.items())
+    path = run_dir / GATEWAY_FILE if run_dir is not None else None
+    if path is None or not path.is_file():
+        return f"gateway (set at its start, not per request): {shown}; the run recorded none to compare"
+    changed = _differences(json.loads(path.read_text()), rollout)
+    if not changed:
+        return f"gateway (set at its start, not per request): {shown}, as in the run"
+    return (f"gateway (set at its start, not per request): {shown}; NOT as in the run: {'; '.join(changed)} "
+            f"(restart the gateway with the run's values to evaluate as it trained)")
+
+
+def _differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key now (run: before)` for each key whose value differs."""
+    return [f"{key} {now.get(key)} (run: {value})" for key, value in before.items() if now.get(key) != value]
 
 
 def em_by_source(trajs: list[Trajectory]) -> dict[str, float]:

@@ -100,7 +100,7 @@ class GatewayClient:
                             body.get("missing_items"))
                 return [Trajectory.from_json(t) for t in body["trajectories"]]
             if status in (FAILED, PARTIAL):
-                raise GatewayError(f"batch {batch_id} {status}: missing items {body.get('missing_items')}")
+                raise GatewayError(_stopped(batch_id, status, body))
             if time.monotonic() > deadline:
                 raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {body.get('progress')})")
             time.sleep(poll_s)
@@ -165,6 +165,18 @@ class GatewayClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def _stopped(batch_id: str, status: str, body: dict[str, Any]) -> str:
+    """Why a batch gave nothing to train on, for the one-line error: a failed batch's first trajectory error
+    (`error`: every trajectory ended with one, most often for one reason, such as a retriever that refuses)."""
+    if status == FAILED:
+        n = len(body.get("trajectories") or [])
+        return f"batch {batch_id} failed: all {n} trajectories ended with an error, the first: {body.get('error')}"
+    progress = body.get("progress") or {}
+    why = f"; the first trajectory error: {body['error']}" if body.get("error") else ""
+    return (f"batch {batch_id} partial: its gateway stopped with {progress.get('done')} of {progress.get('total')} "
+            f"trajectories stored (missing items {body.get('missing_items')}){why}")
 
 
 def _plain(value: Any) -> Any:

@@ -36,7 +36,7 @@ from sisrl.trainer.distributed import (
     shutdown,
     wrap_model,
 )
-from sisrl.trainer.evaluate import evaluate
+from sisrl.trainer.evaluate import evaluate, record_gateway
 from sisrl.trainer.gateway_client import GatewayClient, GatewayError, GatewaySource
 from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, staleness_metrics, table_header, table_row
 from sisrl.trainer.pipeline import RolloutPipeline, Taken
@@ -173,6 +173,8 @@ def setup(cfg: TrainConfig) -> Session:
     if ctx.is_main:
         s.writer = MetricsWriter(run_dir, tensorboard=cfg.tensorboard, start_step=s.step)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+        if isinstance(s.source, GatewaySource):  # what no request carries, for `sisrl-train eval` to compare
+            record_gateway(run_dir, s.source.client.health().get("rollout"))
     return s
 
 

@@ -45,6 +45,7 @@ def get_batch(batch_id: str, state: StateDep, session: SessionDep) -> BatchPubli
     return BatchPublic(
         batch_id=batch_id, run=row.run, step=row.step, status=batch_status,  # type: ignore[arg-type]
         progress=Progress(done=len(done), total=row.total), missing_items=missing, trajectories=trajectories,
+        error=store.first_error(session=session, batch_id=batch_id),
     )
 
 

@@ -23,7 +23,7 @@ CLI = [sys.executable, "-m", "sisrl.retriever.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # see conftest.one_torch_thread
 
 
-@pytest.mark.parametrize("command", ["build", "serve", "eval"])
+@pytest.mark.parametrize("command", ["build", "import", "serve", "eval"])
 def test_help_documents_every_option_with_its_default(command: str) -> None:
     parser = make_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]

@@ -72,7 +72,8 @@ def test_retriever_503_recovers_then_down_then_dead(flaky: FlakyRetriever, start
         body = make_body([_item(0)], run=run, sampling=sampling, max_turns=3)
         return dict(gateway.wait_batch(gateway.client.post("/v1/rollouts", json=body).json()["batch_id"]))
 
-    flaky.fail_first = 2  # two 503s, then answers: retries absorb them
+    assert flaky.calls == 1  # the start-up check: one query, answered before the gateway's /health
+    flaky.calls, flaky.fail_first = 0, 2  # two 503s, then answers: retries absorb them
     batch = run_one("flaky")
     (traj,) = batch["trajectories"]
     assert (batch["status"], traj["finish_reason"], traj["error"], traj["reward"]) == ("done", "answer", None, 0.0)

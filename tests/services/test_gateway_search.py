@@ -26,8 +26,10 @@ SCRIPT = {"rules": [
 def gateway(start_gateway: Callable[..., Any], retriever_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     script = tmp_path_factory.mktemp("script") / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    return start_gateway("--engine", "scripted", "--script", str(script), "--retriever-url", retriever_url,
-                         "--topk", "3", "--observation-max-tokens", "400")
+    # The retriever as Search-R1's retriever.url names it, its /retrieve endpoint: the same server as the base URL
+    # the other gateways get (test_the_retriever_is_named_once_as_its_endpoint).
+    return start_gateway("--engine", "scripted", "--script", str(script), "--retriever-url",
+                         f"{retriever_url}/retrieve/", "--topk", "3", "--observation-max-tokens", "400")
 
 
 def _segments(mask: list[int], ids: list[int]) -> list[tuple[int, list[int]]]:
@@ -80,6 +82,14 @@ def test_search_rollout_end_to_end(gateway: Any, qa_subset: Any, make_body: Call
         assert (traj["finish_reason"], traj["answer"], traj["reward"], traj["turns"]) == ("answer", "no idea", 0.0, [])
     groups = {item: {t["group_id"] for t in trajs} for item, trajs in by_item.items()}
     assert all(len(g) == 1 for g in groups.values()) and groups[vampire["id"]] != groups[other["id"]]
+
+
+def test_the_retriever_is_named_once_as_its_endpoint(gateway: Any, retriever_url: str) -> None:
+    """Given as `.../retrieve/`, the retriever is posted to at `.../retrieve` (the end-to-end test above searched
+    through it), and the start-up line and check say so."""
+    log = gateway.log.read_text()
+    assert f"; retriever {retriever_url}/retrieve)" in log and "/retrieve/retrieve" not in log
+    assert "does not answer" not in log  # the start-up check's query was answered
 
 
 def test_queries_stats_stream_and_metrics(gateway: Any, qa_subset: Any) -> None:

@@ -130,7 +130,7 @@ def test_a_search_that_fails_everywhere_names_each_retriever(stubs: tuple[StubRe
         asyncio.run(run())
     message = str(info.value)
     assert "all 2 retrievers unavailable after 4 attempts" in message
-    assert f"{a.url}: HTTP 503" in message and f"{b.url}: transport error" in message
+    assert f"{a.url}/retrieve: HTTP 503" in message and f"{b.url}/retrieve: transport error" in message
 
 
 def test_a_rejected_request_is_not_retried_elsewhere(stubs: tuple[StubRetriever, StubRetriever]) -> None:
@@ -154,3 +154,16 @@ def test_the_setting_takes_a_comma_separated_list() -> None:
     assert split_urls(settings.retriever_url) == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     with pytest.raises(ValueError, match="retriever_url: retriever URL 'localhost:8000' must start with http"):
         GatewaySettings(retriever_url="http://127.0.0.1:8000,localhost:8000")
+
+
+def test_a_retriever_url_may_be_its_retrieve_endpoint() -> None:
+    """Search-R1's `retriever.url` is the full endpoint: `/retrieve` (and a trailing slash) name the same server,
+    so two spellings of one server are one URL, and engine URLs keep their path."""
+    settings = GatewaySettings(retriever_url="http://127.0.0.1:8000/retrieve, http://10.0.0.6:8000/retrieve/, "
+                                             "http://10.0.0.7:8000/api/")
+    assert settings.retriever_urls == ["http://127.0.0.1:8000", "http://10.0.0.6:8000", "http://10.0.0.7:8000/api"]
+    client = RetrievalClient("http://127.0.0.1:8000/retrieve/")
+    assert client.url == "http://127.0.0.1:8000" and client.endpoints[0].endpoint == "http://127.0.0.1:8000/retrieve"
+    with pytest.raises(ValueError, match="retriever URLs must be distinct"):
+        GatewaySettings(retriever_url="http://127.0.0.1:8000,http://127.0.0.1:8000/retrieve")
+    assert split_urls("http://127.0.0.1:8001/retrieve", what="engine") == ["http://127.0.0.1:8001/retrieve"]

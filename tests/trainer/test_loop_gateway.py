@@ -82,6 +82,8 @@ def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Servi
     assert list((run_dir / "tensorboard").iterdir())
     state = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert state["policy_version"] == 1 and state["sampler"]["drawn"] == 2
+    recorded = json.loads((run_dir / "gateway.json").read_text())  # what no request carries, for eval
+    assert recorded == health["rollout"] and recorded["max_response_tokens"] == 96
 
     # The trainer posted its per-token SIS outcome of every trained trajectory (sis_records defaults on).
     run = (run_dir / "run_name.txt").read_text().strip()
@@ -108,8 +110,11 @@ def test_eval_exports_a_checkpoint_and_reports_em_per_source(servers: tuple[Path
     ckpt = run_dir / "checkpoints" / "step_000001"
     assert cli_main(["eval", "--checkpoint", str(ckpt), "--data", str(test_file), "--gateway-url", gateway.url,
                      "--limit", "3", "--max-new-tokens", "8", "--max-turns", "1", "--logprobs-k", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "eval/em/" in out and "eval/count/" in out
+    captured = capsys.readouterr()
+    assert "eval/em/" in captured.out and "eval/count/" in captured.out
+    # One line: the flags given, the rest from the run (checkpoint's config), and its gateway's settings unchanged.
+    assert "max_turns=1 (flag) max_new_tokens=8 (flag) top_p=1.0 (run) logprobs_k=5 (flag) seed=0 (run)" in captured.err
+    assert "max_response_tokens=96 format_weight=0.0, as in the run" in captured.err
     assert (ckpt / "hf" / "model.safetensors").is_file()
     exported = load_file(str(ckpt / "hf" / "model.safetensors"))
     pushed = load_file(str(run_dir / "policy" / "v000001" / "model.safetensors"))

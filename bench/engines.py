@@ -24,9 +24,9 @@ from sisrl.common.cache import user_cache_dir
 from sisrl.common.hardware import cpu_model
 from sisrl.common.models import SMOLLM2, load_tokenizer, smollm2_dir
 from sisrl.common.procs import Service, free_port, launch, wait_healthy
+from sisrl.common.vllm_cpu import server_command, server_env, sisrl_path
 from sisrl.services.engines.base import Engine, SamplingParams
 from sisrl.services.engines.local import LocalEngine
-from sisrl.services.engines.vllm_cpu import server_command, server_env, sisrl_path
 from sisrl.services.engines.vllm_http import VLLMHttpEngine
 
 QUESTIONS = ["Who wrote the novel Dracula?", "What is the capital of Australia?", "Why is the sky blue?",

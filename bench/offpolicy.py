@@ -23,7 +23,8 @@ sequence mode), sis (K = 20). Hyper-parameters (lr) come from `--find-regime`, w
 
 One JSON line per run in WORKDIR/runs.jsonl (a rerun skips what is there; a stop loses only the run in
 progress); at the end a record under bench/results/offpolicy/ (figures, the table, paired differences) and the
-figure beside it (test EM against staleness, one line per ratio, 95 % intervals shaded).
+figure beside it (test EM against staleness, one line per ratio, 95 % intervals shaded) and the rows of the
+runs it summarises (`.runs.jsonl`).
 """
 
 from __future__ import annotations
@@ -602,7 +603,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str
         notes=f"{title_note}; {args.steps} RL steps of {args.prompts} x {args.samples}; lr from --find-regime "
               f"(dev split); warm start EM dev {warm['dev']:.3f}, test {warm['test']:.3f}, transfer "
               f"{warm['transfer']:.3f}; greedy evaluation by a {eval_dtype(args)} engine (every run and the warm "
-              f"start alike); ledger {args.workdir / 'runs.jsonl'}", results_dir=results_dir)
+              f"start alike); every run's row beside this record (.runs.jsonl)", results_dir=results_dir)
+    # the runs behind the table, one JSON line each, beside the record: the workdir does not outlive the machine
+    path.with_suffix(".runs.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     png = figure(entries, warm["test"], path.with_suffix(".png"))
     if png:
         say(f"figure: {png}")

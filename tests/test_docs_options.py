@@ -74,7 +74,8 @@ def _same(doc: str, code: str) -> bool:
 
 
 CASES = {
-    "retriever build": ("retriever.md", "## Build", "## Serve", lambda: _subcommand(make_parser(), "build")),
+    "retriever build": ("retriever.md", "## Build", "## Import", lambda: _subcommand(make_parser(), "build")),
+    "retriever import": ("retriever.md", "## Import", "## Serve", lambda: _subcommand(make_parser(), "import")),
     "retriever serve": ("retriever.md", "## Serve", "### API", lambda: _subcommand(make_parser(), "serve")),
     "retriever eval": ("retriever.md", "## Eval", "## Index types", lambda: _subcommand(make_parser(), "eval")),
     "gateway serve": ("gateway.md", "## Running it", "## Several gateways", lambda: _subcommand(build_parser(),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sisrl.common.cli import DefaultsHelp
+from sisrl.trainer import node
 from sisrl.trainer.config import (
     AlgorithmConfig,
     ConfigError,
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG curves of RUN_DIR/metrics.jsonl into RUN_DIR/plots", formatter_class=fmt)
     p.add_argument("run_dir", type=Path, help="a run directory holding metrics.jsonl")
     p.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/plots)")
+    n = sub.add_parser("node", help="start a config's retriever, vLLM servers, gateway and trainer on one node "
+                       "(docs/guides/gpu.md)", formatter_class=fmt)
+    node.add_arguments(n)
     c = sub.add_parser("config", help="list every config knob with its default and description", formatter_class=fmt)
     c.add_argument("--config", type=Path, default=None, help="show this file's values instead of the defaults")
     c.add_argument("--markdown", action="store_true", help="print the table as docs/trainer.md has it")
@@ -177,7 +181,7 @@ def _config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "sft": _sft, "eval": _eval, "plot": _plot, "config": _config}
+    handlers = {"train": _train, "sft": _sft, "eval": _eval, "plot": _plot, "config": _config, "node": node.main}
     try:
         return handlers[args.command](args)
     except ConfigError as err:

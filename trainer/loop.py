@@ -39,6 +39,7 @@ from sisrl.trainer.distributed import (
 from sisrl.trainer.evaluate import evaluate, record_gateway
 from sisrl.trainer.gateway_client import GatewayClient, GatewayError, GatewaySource
 from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, staleness_metrics, table_header, table_row
+from sisrl.trainer.node import check_gateway
 from sisrl.trainer.pipeline import RolloutPipeline, Taken
 from sisrl.trainer.policy import (
     build_optimizer,
@@ -128,6 +129,7 @@ def setup(cfg: TrainConfig) -> Session:
         probe = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token)
         try:
             probe.check_reachable()
+            check_gateway(cfg, probe.health().get("rollout"))  # one that would cut this config's trajectories
         finally:
             probe.close()
     seed_everything(cfg.seed)  # the same on every rank: identical initial weights

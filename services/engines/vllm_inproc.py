@@ -14,9 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from sisrl.common.models import resolve_policy_path
+from sisrl.common.vllm_cpu import WORKER_EXTENSION
 from sisrl.services.engines.base import Generation, SamplingParams, check_prompt, clamp_logprob
-
-WORKER_EXTENSION = "sisrl.services.engines.vllm_worker.SafetensorsReload"
 
 
 class RankedLogprob(Protocol):

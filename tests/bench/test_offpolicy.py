@@ -50,6 +50,8 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
     exact = [row for row in table if row[cols.index("K")] == "V"]
     assert len(exact) == 1 and exact[0][cols.index("xi_K")] == 0.0
     assert records[0].with_suffix(".png").stat().st_size > 1000
+    beside = [json.loads(line) for line in records[0].with_suffix(".runs.jsonl").read_text().splitlines()]
+    assert sorted(r["key"] for r in beside) == sorted(r["key"] for r in rows)  # the table's runs kept with it
     again = _bench(args + ["--no-record"], tmp_path)  # resumable: nothing left to run
     assert "0 runs to do" in again
     assert len((tmp_path / "work" / "runs.jsonl").read_text().splitlines()) == len(rows)

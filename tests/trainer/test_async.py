@@ -29,7 +29,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pa
     retriever = launch_retriever(index_dir=root / "index", corpus=data["corpus"], encoder="minilm",
                                  log=root / "retriever.log")
     gateway = launch_gateway(model=str(initial), retriever_url=retriever.url, db=root / "rollouts.db",
-                             checkpoint_root=root, log=root / "gateway.log", extra=["--max-response-tokens", "128"])
+                             checkpoint_root=root, log=root / "gateway.log",
+                             extra=["--max-response-tokens", "128", "--observation-max-tokens", "28"])
     wait_healthy(retriever, gateway)
     try:
         yield data["train"], root, gateway

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.trainer.cli import main as cli_main
-from sisrl.trainer.config import config_from_dict
+from sisrl.trainer.config import ConfigError, config_from_dict
 from sisrl.trainer.demo_data import write_demo_data
 from sisrl.trainer.loop import train
 from sisrl.trainer.metrics import read_metrics
@@ -33,7 +33,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pa
     retriever = launch_retriever(index_dir=root / "index", corpus=data["corpus"], encoder="minilm",
                                  log=root / "retriever.log")
     gateway = launch_gateway(model=str(initial), retriever_url=retriever.url, db=root / "rollouts.db",
-                             checkpoint_root=run_dir, log=root / "gateway.log", extra=["--max-response-tokens", "96"])
+                             checkpoint_root=run_dir, log=root / "gateway.log",
+                             extra=["--max-response-tokens", "96", "--observation-max-tokens", "72"])
     wait_healthy(retriever, gateway)  # started together: the gateway needs the retriever only per search
     try:
         yield data["train"], run_dir, gateway, data["test"]
@@ -120,3 +121,17 @@ def test_eval_exports_a_checkpoint_and_reports_em_per_source(servers: tuple[Path
     pushed = load_file(str(run_dir / "policy" / "v000001" / "model.safetensors"))
     assert all(torch.equal(exported[k], pushed[k]) for k in pushed)  # the checkpoint is the pushed policy
     assert httpx.get(f"{gateway.url}/v1/policy").json()["path"] == str((ckpt / "hf").resolve())
+
+
+def test_a_gateway_that_would_truncate_the_configs_trajectories_is_refused(
+        servers: tuple[Path, Path, Service, Path], tmp_path: Path) -> None:
+    train_file, run_dir, gateway, _ = servers
+    cfg = config_from_dict({
+        "run_dir": str(tmp_path / "run"), "total_steps": 1, "progress": False, "device": "cpu",
+        "model": {"path": str(run_dir / "initial")}, "data": {"train": [{"path": str(train_file)}]},
+        # 3 generations of 40 and 2 observations of 72 (the gateway's) need 264 tokens; it was started with 96
+        "rollout": {"gateway_url": gateway.url, "max_new_tokens": 40, "max_turns": 3},
+    })
+    with pytest.raises(ConfigError, match=r"max_response_tokens 96, below the 264 .* --max-response-tokens 264"):
+        train(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

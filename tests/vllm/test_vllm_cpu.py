@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from sisrl.common.models import SMOLLM2, build_tiny_policy, load_tokenizer, smollm2_dir
 from sisrl.common.procs import Service, free_port, launch, launch_module, log_tail, wait_healthy
+from sisrl.common.vllm_cpu import server_command, server_env
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams
-from sisrl.services.engines.vllm_cpu import server_command, server_env
 from sisrl.services.engines.vllm_http import VLLMHttpEngine
 from transformers import AutoModelForCausalLM, PreTrainedModel
 

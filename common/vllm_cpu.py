@@ -12,8 +12,10 @@ import importlib
 from pathlib import Path
 
 from sisrl.common.cache import user_cache_dir
-from sisrl.services.engines.vllm_inproc import WORKER_EXTENSION
 
+# vLLM's worker extension that loads a policy from disk (services/engines/vllm_worker.py), by its import path:
+# vLLM imports it in its workers, so nothing here imports it.
+WORKER_EXTENSION = "sisrl.services.engines.vllm_worker.SafetensorsReload"
 PARTS = ("common", "services", "retriever", "trainer")  # sisrl.<part>: one folder each (pyproject package-dir)
 
 

@@ -34,8 +34,7 @@ from sisrl.trainer.config import ConfigError, TrainConfig, load_config
 OBSERVATION_MAX_TOKENS = 512  # the gateway's default token budget of one <information> block
 PROMPT_ALLOWANCE = 1024  # tokens of instructions and question that vLLM's context must hold besides the response
 MAX_CONCURRENCY = 4096  # the gateway's cap (services/settings.py)
-RETRIEVER_PORT = 8000
-VLLM_PORT = 8001  # the first server; one port per server after it
+RETRIEVER_PORT = 8000  # --base-port: the retriever's, the vLLM servers' on the ports after it
 
 
 def response_budget(max_turns: int, max_new_tokens: int, observation_max_tokens: int) -> int:
@@ -108,6 +107,7 @@ class NodeArgs:
     vllm_python: str | None = None  # vLLM's CPU build from this interpreter (the miniature); None: `vllm serve`
     cpu_servers: int = 1  # with --vllm-python: how many CPU vLLM servers
     cpu_ranks: int = 2  # trainer processes where --trainer-gpus is cpu (FSDP2 on gloo)
+    base_port: int = RETRIEVER_PORT  # the retriever's; vLLM servers on the ports after it
 
 
 def plan(a: NodeArgs) -> tuple[TrainConfig, list[Proc]]:
@@ -134,11 +134,11 @@ def plan(a: NodeArgs) -> tuple[TrainConfig, list[Proc]]:
     def on(gpus: list[int]) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
 
-    retriever = ["sisrl-retriever", "serve", "--index", a.index, "--port", str(RETRIEVER_PORT)]
+    retriever = ["sisrl-retriever", "serve", "--index", a.index, "--port", str(a.base_port)]
     if a.retriever_gpus:
         retriever += ["--device", "cuda", "--faiss-gpu"]
-    procs.append(Proc("retriever", retriever, on(a.retriever_gpus), f"http://127.0.0.1:{RETRIEVER_PORT}/health"))
-    ports = [VLLM_PORT + i for i in range(a.cpu_servers if cpu else len(a.vllm_gpus))]
+    procs.append(Proc("retriever", retriever, on(a.retriever_gpus), f"http://127.0.0.1:{a.base_port}/health"))
+    ports = [a.base_port + 1 + i for i in range(a.cpu_servers if cpu else len(a.vllm_gpus))]
     for i, port in enumerate(ports):
         if cpu:
             python = Path(str(a.vllm_python))
@@ -157,7 +157,7 @@ def plan(a: NodeArgs) -> tuple[TrainConfig, list[Proc]]:
     gw = ["sisrl-gateway", "serve", "--engine", "vllm-http", "--model", a.model,
           "--engine-url", ",".join(f"http://127.0.0.1:{p}" for p in ports),
           "--engine-weights-route", "/collective_rpc", "--engine-after-weights-routes", "/reset_prefix_cache",
-          "--retriever-url", f"http://127.0.0.1:{RETRIEVER_PORT}",
+          "--retriever-url", f"http://127.0.0.1:{a.base_port}",
           "--db-url", a.db_url or f"sqlite:///{run_dir}/gateway.db",
           "--checkpoint-root", str(run_dir.parent),  # relative: every process starts in one working directory
           "--observation-max-tokens", str(a.observation_max_tokens),
@@ -281,6 +281,8 @@ def add_arguments(n: argparse.ArgumentParser) -> None:
                    help="run vLLM's CPU build with this interpreter (its venv) instead of `vllm serve` on GPUs")
     n.add_argument("--cpu-servers", type=int, default=1, help="with --vllm-python: CPU vLLM servers to start")
     n.add_argument("--cpu-ranks", type=int, default=2, help="trainer processes where --trainer-gpus is cpu")
+    n.add_argument("--base-port", type=int, default=RETRIEVER_PORT,
+                   help="the retriever's port; the vLLM servers take the ports after it (the gateway's is the config's)")
     n.add_argument("--print", dest="print_only", action="store_true",
                    help="print the commands as a shell script; start nothing")
 
@@ -292,7 +294,8 @@ def main(args: argparse.Namespace) -> int:
                  retriever_gpus=parse_gpus(args.retriever_gpus, "--retriever-gpus"), overrides=args.overrides,
                  observation_max_tokens=args.observation_max_tokens,
                  gpu_memory_utilization=args.gpu_memory_utilization, db_url=args.db_url,
-                 vllm_python=args.vllm_python, cpu_servers=args.cpu_servers, cpu_ranks=args.cpu_ranks)
+                 vllm_python=args.vllm_python, cpu_servers=args.cpu_servers, cpu_ranks=args.cpu_ranks,
+                 base_port=args.base_port)
     cfg, procs = plan(a)
     if args.print_only:
         sys.stdout.write(render(procs))

@@ -12,8 +12,8 @@ Layout of `RUN_DIR/checkpoints/step_000004/`:
   COMPLETE                 written last: the step and the size in bytes of every other file
 
 A save (common/atomic.py has the fsync rules): every rank writes its files into `.step_000004.tmp` and fsyncs
-each; after a barrier rank 0 writes the shared files, fsyncs the directory, writes COMPLETE, renames the directory
-to `step_000004` and fsyncs `checkpoints/` and the run directory. A kill at any point leaves the temp directory
+each; after a barrier rank 0 writes the shared files and COMPLETE, fsyncs the directory, renames it to
+`step_000004` and fsyncs `checkpoints/` and the run directory. A kill at any point leaves the temp directory
 (removed at the next start: `sweep_temps`) or the complete checkpoint, never a partial `step_*`.
 
 Complete (`check_complete`) means: COMPLETE parses, names this step, and every file it lists exists with that
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from sisrl.common.atomic import fsync_path, remove_dir, replace_dir, write_json
+from sisrl.common.atomic import fsync_path, remove_dir, replace_dir
 from torch import Tensor, nn
 
 STATE_FILE = "trainer_state.json"
@@ -143,7 +143,9 @@ def _save_tensors(directory: Path, name: str, tensors: dict[str, Tensor], label:
 
 
 def _save_json(directory: Path, name: str, obj: Any, label: str) -> None:
-    write_json(directory / name, obj)  # temp file, fsync, rename, directory fsync
+    # Written in place: the whole directory is the temp copy, and its rename the commit.
+    (directory / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    fsync_path(directory / name)
     _test_pause(f"{label}/{name}")
 
 
@@ -159,11 +161,12 @@ def _test_pause(point: str) -> None:
         time.sleep(1.0)
 
 
-def _write_marker(directory: Path, step: int) -> None:
-    """COMPLETE, once every other file is durable (the directory fsync covers the names the other ranks created)."""
+def _seal(directory: Path, step: int, label: str) -> None:
+    """Write COMPLETE once every other file is durable, then fsync the directory: its names (the other ranks'
+    files too) are durable before the rename makes the checkpoint visible."""
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
+    _save_json(directory, MARKER, {"step": step, "format": FORMAT, "files": files}, label)
     fsync_path(directory)
-    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name[0] != "."}
-    write_json(directory / MARKER, {"step": step, "format": FORMAT, "files": files})
 
 
 def save_checkpoint(run_dir: Path, *, step: int, policy_version: int, model: nn.Module,
@@ -199,7 +202,7 @@ def save_checkpoint(run_dir: Path, *, step: int, policy_version: int, model: nn.
         _save_json(tmp, STATE_FILE, {"step": step, "policy_version": policy_version, "sampler": sampler,
                                      "world_size": world, "sharded": sharded, "config": config,
                                      "inflight": inflight or [], "format": FORMAT}, final.name)
-        _write_marker(tmp, step)
+        _seal(tmp, step, final.name)
         replace_dir(tmp, final)  # renamed, and `checkpoints/` fsynced
         fsync_path(run_dir)  # `checkpoints/` itself may be new
         _prune(root, keep)

@@ -1,4 +1,5 @@
-"""trainer/checkpoint.py: what "complete" means, the fallback past a torn checkpoint, and what is fsynced.
+"""trainer/checkpoint.py: what "complete" means, the fallback past a torn checkpoint, and what is fsynced (also
+for a policy push, trainer/policy.py).
 
 A small Linear model with AdamW stands in for the policy: the files, the marker and the fallback do not depend on
 the architecture (test_checkpoint_kill.py drives the real trainer).
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sisrl.common.models import build_tiny_policy, load_tokenizer
 from sisrl.trainer.checkpoint import (
     MARKER,
     STATE_FILE,
@@ -23,6 +25,7 @@ from sisrl.trainer.checkpoint import (
     restore,
     save_checkpoint,
 )
+from sisrl.trainer.policy import save_hf_directory
 from torch import nn
 
 from tests.utils.fsync_spy import record_fsyncs
@@ -182,10 +185,21 @@ def test_save_fsyncs_every_file_then_the_marker_then_the_renames(tmp_path: Path,
     calls = record_fsyncs(monkeypatch)
     final = parts.save(tmp_path, 1)
     tmp, root = tmp_path / "checkpoints" / ".step_000001.tmp", tmp_path / "checkpoints"
-    marker = calls.index(str(tmp / f".{MARKER}.tmp-{os.getpid()}"))
-    names = max(i for i, path in enumerate(calls[:marker]) if path == str(tmp))  # the files' names
-    for name in json.loads((final / MARKER).read_text())["files"]:
-        # safetensors are written in place; JSON files by temp name + rename (then the folder is fsynced)
-        written = str(tmp / name) if name.endswith(".safetensors") else str(tmp / f".{name}.tmp-{os.getpid()}")
-        assert calls.index(written) < names, name  # contents and names durable before the marker vouches
-    assert calls[marker + 1:] == [str(tmp), str(root), str(tmp_path)]  # the marker's name, the rename, `checkpoints/`
+    files = [str(tmp / name) for name in json.loads((final / MARKER).read_text())["files"]]
+    assert sorted(calls[:-4]) == sorted(files) and len(files) == 7  # each file once, in the temp directory
+    # then the marker, the names in the temp directory, its rename, and `checkpoints/` (new in this run)
+    assert calls[-4:] == [str(tmp / MARKER), str(tmp), str(root), str(tmp_path)]
+
+
+def test_policy_push_fsyncs_every_file_and_its_folder_before_the_rename(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = load_tokenizer()
+    model = build_tiny_policy(tokenizer, hidden_size=16, num_layers=1, num_heads=2)
+    calls = record_fsyncs(monkeypatch)
+    out = save_hf_directory(model, tokenizer, tmp_path / "policy" / "v000001")
+    tmp = Path(calls[-2])
+    assert tmp.parent == out.parent and tmp.name.startswith(".v000001.tmp-") and calls[-1] == str(out.parent)
+    assert sorted(Path(c).relative_to(tmp).as_posix() for c in calls[:-2]) == sorted(
+        p.name for p in out.iterdir())  # every file the engine will load, once
+    assert {"model.safetensors", "config.json"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in out.parent.iterdir()] == ["v000001"]

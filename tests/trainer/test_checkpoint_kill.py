@@ -83,11 +83,16 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint_with_identical_we
     assert (ckpts / ".step_000002.tmp" / "model.safetensors").is_file()
     assert not (ckpts / ".step_000002.tmp" / MARKER).exists()
 
+    stale_policy = killed / "policy" / ".v000002.tmp-k2j3h4x9"  # a weight push killed the same way
+    (stale_policy / "model.safetensors").parent.mkdir(parents=True)
+    (stale_policy / "model.safetensors").write_bytes(b"half")
+
     with caplog.at_level(logging.INFO):
         train(synthetic_config(killed, **SETTINGS))
     lines = [r.getMessage() for r in caplog.records]
     assert [line for line in lines if "temp entries" in line] == [
-        f"removed 1 temp entries that interrupted writes left: {ckpts / '.step_000002.tmp'}"]
+        f"removed 2 temp entries that interrupted writes left: {ckpts / '.step_000002.tmp'}, {stale_policy}"]
+    assert not stale_policy.exists()
     assert any(line.startswith(f"resumed from {ckpts / 'step_000001'} (step 1,") for line in lines), lines
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
 

@@ -23,8 +23,9 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from sisrl.common.atomic import sweep_temps
 from sisrl.trainer.batch import Trajectory, collate, trajectories_from_bytes, trajectories_to_bytes
-from sisrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from sisrl.trainer.checkpoint import read_latest, restore, save_checkpoint
 from sisrl.trainer.config import ConfigError, TrainConfig
 from sisrl.trainer.data import MixtureSampler, QAItem, load_items
 from sisrl.trainer.distributed import (
@@ -140,7 +141,11 @@ def setup(cfg: TrainConfig) -> Session:
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.total_steps * cfg.algorithm.staleness)
     generator = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 7919 + ctx.rank)
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ctx.is_main:  # what a save killed midway left (docs/trainer.md, "Checkpoint and resume")
+        sweep_temps(run_dir / "checkpoints", run_dir / "policy")
+    ckpt = read_latest(run_dir, rank=ctx.rank, world=ctx.world,  # all ranks fall back past a torn one together
+                       agree=lambda ok: mean_over_ranks({"ok_min": float(ok)}, ctx)["ok_min"] == 1.0,
+                       ) if cfg.resume else None
     if ckpt is None and ctx.is_main:
         (run_dir / "run_name.txt").unlink(missing_ok=True)  # a fresh run gets a fresh name at the gateway
     updater = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,
@@ -158,12 +163,11 @@ def setup(cfg: TrainConfig) -> Session:
         if cfg.rollout.mode == "async":
             s.pusher = WeightPusher(cfg)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator,
-                                rank=ctx.rank, world=ctx.world)
+        state = restore(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator)
         s.step, s.version = state.step, state.policy_version
         if s.sampler is not None:
             s.sampler.load_state(state.sampler)
-        log.info("resumed from %s (step %d, policy version %d)", ckpt, s.step, s.version)
+        log.info("resumed from %s (step %d, policy version %d)", ckpt.path, s.step, s.version)
         _push_weights(cfg, s, wait=True)  # the gateway serves the resumed policy
         if s.pipeline is not None:
             s.pipeline.restore(state.inflight, s.step)  # the batches in flight at the checkpoint, by their keys

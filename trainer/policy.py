@@ -246,7 +246,9 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 def save_hf_directory(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path,
                       state: dict[str, Tensor] | None = None) -> Path:
-    """Write a Hugging Face safetensors directory (what the gateway's engine loads) via a temp dir + rename."""
+    """Write a Hugging Face safetensors directory (what the gateway's engine loads) durably: into a temp directory
+    beside `out`, every file fsynced, then renamed (`common/atomic.atomic_dir`). A push killed midway leaves only
+    `.NAME.tmp-*`, which the trainer's next start removes (`sweep_temps`)."""
     base = unwrap(model)
     if not isinstance(base, PreTrainedModel):
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(base).__name__}")

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sisrl.services import store
 from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, run_agent
@@ -21,13 +21,15 @@ from sisrl.services.engines.base import Engine, SamplingParams
 from sisrl.services.engines.pool import for_trajectory
 from sisrl.services.load_gate import GatedEngine, LoadGate
 from sisrl.services.metrics import GatewayMetrics
+from sisrl.services.protocol import ProtocolSpec
 from sisrl.services.rewards import RewardSpec, reward_spec, score_response
-from sisrl.services.schemas import RewardParts, RolloutCreate, RolloutItem, Trajectory, Turn
+from sisrl.services.schemas import ProtocolIn, RewardParts, RolloutCreate, RolloutItem, Trajectory, Turn
 from sisrl.services.timing import BusyClock
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 _NS = uuid.UUID("6f1c2a5e-8d7b-4c1e-9a3f-5b2d7e9c0a41")  # fixed namespace: ids are reproducible
+PROTOCOLS_KEPT = 16  # distinct request protocols whose token pieces a runner keeps (oldest dropped first)
 
 
 def trajectory_id(batch_id: str, item_id: str, sample_index: int) -> str:
@@ -36,6 +38,12 @@ def trajectory_id(batch_id: str, item_id: str, sample_index: int) -> str:
 
 def group_id(batch_id: str, item_id: str) -> str:
     return uuid.uuid5(_NS, f"{batch_id}/{item_id}").hex
+
+
+def protocol_spec(body: ProtocolIn) -> ProtocolSpec:
+    """The agent's protocol of a request's `protocol`: its unset (null) fields take the gateway's defaults."""
+    given = {name: value for name, value in body.model_dump().items() if value is not None}
+    return ProtocolSpec(**given)
 
 
 def sample_seed(seed: int | None, ordinal: int) -> int | None:
@@ -53,6 +61,19 @@ class RunnerDeps:
     clock: BusyClock
     reward_specs: dict[str, RewardSpec]
     max_response_tokens: int
+    protocol_kept: dict[ProtocolSpec, SearchR1Protocol] = field(default_factory=dict)  # by `protocol_for`
+
+    def protocol_for(self, spec: ProtocolSpec) -> SearchR1Protocol:
+        """`protocol` (the gateway's own) for its spec, else one built on its tokenizer and budget, kept for reuse;
+        ValueError when the observation's tags fill its token budget."""
+        if spec == self.protocol.spec:
+            return self.protocol
+        if spec not in self.protocol_kept:
+            if len(self.protocol_kept) >= PROTOCOLS_KEPT:
+                self.protocol_kept.pop(next(iter(self.protocol_kept)))
+            self.protocol_kept[spec] = SearchR1Protocol(
+                self.protocol.tokenizer, observation_max_tokens=self.protocol.default_max_tokens, spec=spec)
+        return self.protocol_kept[spec]
 
 
 class BatchRunner:
@@ -153,7 +174,12 @@ class BatchRunner:
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 logprobs_k=s.logprobs_k, seed=seed)
         limits = AgentLimits(max_turns=request.max_turns, max_response_tokens=self.deps.max_response_tokens)
-        return await run_agent(engine=GatedEngine(for_trajectory(self.deps.engine), self.gate), searcher=self.deps.searcher, protocol=self.deps.protocol,
+        try:
+            protocol = self.deps.protocol_for(protocol_spec(request.protocol))
+        except ValueError as exc:  # a budget its tags fill: every trajectory ends so, the batch fails naming why
+            return Rollout(prompt_ids=[], k=params.logprobs_k, finish_reason="error", error=f"protocol: {exc}",
+                           timings={"total_s": 0.0})
+        return await run_agent(engine=GatedEngine(for_trajectory(self.deps.engine), self.gate), searcher=self.deps.searcher, protocol=protocol,
                                question=item.question, params=params, limits=limits, clock=self.deps.clock)
 
     def to_trajectory(self, batch_id: str, request: RolloutCreate, item: RolloutItem, sample_index: int,

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sisrl.services import store
 from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, run_agent
@@ -61,19 +61,6 @@ class RunnerDeps:
     clock: BusyClock
     reward_specs: dict[str, RewardSpec]
     max_response_tokens: int
-    protocol_kept: dict[ProtocolSpec, SearchR1Protocol] = field(default_factory=dict)  # by `protocol_for`
-
-    def protocol_for(self, spec: ProtocolSpec) -> SearchR1Protocol:
-        """`protocol` (the gateway's own) for its spec, else one built on its tokenizer and budget, kept for reuse;
-        ValueError when the observation's tags fill its token budget."""
-        if spec == self.protocol.spec:
-            return self.protocol
-        if spec not in self.protocol_kept:
-            if len(self.protocol_kept) >= PROTOCOLS_KEPT:
-                self.protocol_kept.pop(next(iter(self.protocol_kept)))
-            self.protocol_kept[spec] = SearchR1Protocol(
-                self.protocol.tokenizer, observation_max_tokens=self.protocol.default_max_tokens, spec=spec)
-        return self.protocol_kept[spec]
 
 
 class BatchRunner:
@@ -89,6 +76,20 @@ class BatchRunner:
         self._batches: dict[str, set[asyncio.Task[None]]] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self._finishers: set[asyncio.Task[None]] = set()
+        self._protocols: dict[ProtocolSpec, SearchR1Protocol] = {}  # request protocols other than the gateway's
+
+    def protocol_for(self, spec: ProtocolSpec) -> SearchR1Protocol:
+        """The gateway's own protocol for its spec, else one built on its tokenizer and budget and kept for the
+        next batches (the PROTOCOLS_KEPT newest); ValueError when the observation's tags fill the budget."""
+        own = self.deps.protocol
+        if spec == own.spec:
+            return own
+        if spec not in self._protocols:
+            if len(self._protocols) >= PROTOCOLS_KEPT:
+                self._protocols.pop(next(iter(self._protocols)))
+            self._protocols[spec] = SearchR1Protocol(own.tokenizer, observation_max_tokens=own.default_max_tokens,
+                                                     spec=spec)
+        return self._protocols[spec]
 
     def is_running(self, batch_id: str) -> bool:
         return batch_id in self._batches
@@ -175,7 +176,7 @@ class BatchRunner:
                                 logprobs_k=s.logprobs_k, seed=seed)
         limits = AgentLimits(max_turns=request.max_turns, max_response_tokens=self.deps.max_response_tokens)
         try:
-            protocol = self.deps.protocol_for(protocol_spec(request.protocol))
+            protocol = self.protocol_for(protocol_spec(request.protocol))
         except ValueError as exc:  # a budget its tags fill: every trajectory ends so, the batch fails naming why
             return Rollout(prompt_ids=[], k=params.logprobs_k, finish_reason="error", error=f"protocol: {exc}",
                            timings={"total_s": 0.0})

@@ -231,3 +231,19 @@ def test_a_request_protocol_reaches_the_trajectory(passages: list[Passage], ques
     failed = asyncio.run(base.rollout(item, request.model_copy(update={"protocol": ProtocolIn()}), seed=0))
     assert failed.finish_reason == "error" and failed.error is not None and failed.response_ids == []
     assert failed.error.startswith("protocol: apply_chat_template=true, but the tokenizer has no chat template")
+    # As a batch: stored (an empty prompt), and the batch fails with that first error.
+    asyncio.run(_run_batch(base, request.model_copy(update={"protocol": ProtocolIn(), "samples_per_item": 2})))
+    with base.deps.sessions() as session:
+        assert store.batch_status(session=session, batch_id="b") == "failed"
+        assert store.count_errors(session=session, batch_id="b") == (2, 2)
+        assert (store.first_error(session=session, batch_id="b") or "").startswith("protocol: apply_chat_template")
+
+
+async def _run_batch(runner: BatchRunner, request: RolloutCreate) -> None:
+    with runner.deps.sessions() as session:
+        store.create_batch(session=session, batch_id="b", run=request.run, step=request.step, idempotency_key=None,
+                           request_hash="h", request_json=request.model_dump_json(), total=request.samples_per_item)
+    assert runner.claims.try_claim("b")
+    runner.start(batch_id="b", request=request, todo=[(0, 0), (0, 1)])
+    while runner.is_running("b"):
+        await runner.wait_change("b", timeout=1.0)

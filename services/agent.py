@@ -6,7 +6,8 @@ with `<answer>...</answer>`. An unparsable turn gets a corrective message; the l
 generations. The trajectory's ids are exactly the sampled ids plus the inserted ids (observations, corrective
 messages), each inserted piece tokenised once on its own; nothing is decoded and re-tokenised. Sampled tokens
 carry loss mask 1, their behaviour log-prob / top-K and the policy version that sampled them; inserted tokens
-carry mask 0, 0.0, zero rows and version -1.
+carry mask 0, 0.0, zero rows and version -1. How the prompt and the observations are written is the request's
+protocol (`ProtocolSpec`, services/protocol.py): our instructions and chat template by default.
 """
 
 from __future__ import annotations
@@ -17,23 +18,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from sisrl.services.engines.base import Engine, SamplingParams
+from sisrl.services.protocol import CORRECTIVE as CORRECTIVE  # re-exported: the scripted engine parses it
+from sisrl.services.protocol import OBSERVATION_TEMPLATE, PASSAGE_TEMPLATE, ProtocolSpec, fill
 from sisrl.services.retrieval_client import Passage
 from sisrl.services.timing import BusyClock
 from transformers import PreTrainedTokenizerBase
 
-INSTRUCTIONS = (
-    "Answer the question below. Every time you receive new information, reason about it first inside "
-    "<think> and </think>. If some knowledge is missing, look it up by writing a search query as "
-    "<search> query </search>; the best matching passages will come back between <information> and "
-    "</information>. Search as many times as you need. Once you know the answer, give only the answer, "
-    "without explanation, inside <answer> and </answer>, for example <answer> Paris </answer>."
-)
-CORRECTIVE = (
-    "\nThat action was not valid. To search, put the query between <search> and </search>. "
-    "To finish, put the final answer between <answer> and </answer>. Try again.\n"
-)
-INFO_OPEN = "\n\n<information>"
-INFO_CLOSE = "</information>\n\n"
+INFO_OPEN, _, INFO_CLOSE = OBSERVATION_TEMPLATE.partition("{passages}")  # "\n\n<information>", "</information>\n\n"
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 
@@ -41,9 +32,10 @@ class Searcher(Protocol):
     async def search(self, query: str) -> list[Passage]: ...
 
 
-def render_passages(passages: list[Passage]) -> str:
-    """Search-R1 rendering: one `Doc i(Title: T) text` line per passage, i from 1."""
-    return "".join(f"Doc {i}(Title: {p.title}) {p.text}\n" for i, p in enumerate(passages, start=1))
+def render_passages(passages: list[Passage], template: str = PASSAGE_TEMPLATE) -> str:
+    """One `template` per passage (default Search-R1's `Doc i(Title: T) text` line), i from 1."""
+    return "".join(fill(template, {"i": str(i), "title": p.title, "text": p.text})
+                   for i, p in enumerate(passages, start=1))
 
 
 def parse_action(text: str) -> tuple[str, str] | None:
@@ -53,32 +45,56 @@ def parse_action(text: str) -> tuple[str, str] | None:
 
 
 class SearchR1Protocol:
-    """Prompt and observation token ids of the protocol for one tokenizer (inserted pieces cached)."""
+    """Prompt and observation token ids of one protocol (`spec`) for one tokenizer (inserted pieces cached).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, observation_max_tokens: int = 512) -> None:
+    `observation_max_tokens` is the gateway's budget of one observation, used where `spec` sets none.
+    ValueError when the tags fill that budget, and from `prompt_ids` when there is no chat template to apply."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, observation_max_tokens: int = 512,
+                 spec: ProtocolSpec | None = None) -> None:
         self.tokenizer = tokenizer
-        self._open = self.encode(INFO_OPEN)
-        self._close = self.encode(INFO_CLOSE)
-        self.corrective_ids = self.encode(CORRECTIVE)
-        self.body_budget = observation_max_tokens - len(self._open) - len(self._close)
-        if self.body_budget < 1:
-            raise ValueError(f"observation_max_tokens={observation_max_tokens} leaves no room inside the tags")
+        self.spec = spec or ProtocolSpec()
+        self.default_max_tokens = observation_max_tokens
+        self.max_tokens = self.spec.observation_max_tokens or observation_max_tokens
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.chat = self.spec.apply_chat_template is True or (
+            self.spec.apply_chat_template == "auto" and self.has_chat_template)
+        head, _, tail = self.spec.observation_template.partition("{passages}")
+        self._open = self.encode(head)
+        self._close = self.encode(tail)
+        self.corrective_ids = self.encode(self.spec.invalid_action_message)
+        self.body_budget = self.max_tokens - len(self._open) - len(self._close)
+        if self.spec.observation_truncation == "passages" and self.body_budget < 1:
+            raise ValueError(f"observation_max_tokens={self.max_tokens} leaves no room inside the tags")
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt_ids(self, question: str) -> list[int]:
-        """The chat-templated user turn plus the assistant header (the policy writes the assistant turn)."""
-        messages = [{"role": "user", "content": f"{INSTRUCTIONS}\nQuestion: {question.strip()}\n"}]
+        """The prompt text, tokenised as is, or as one user turn through the chat template with the assistant
+        header after it (the policy writes the assistant turn)."""
+        text = self.spec.prompt_text(question)
+        if not self.chat:
+            return self.encode(text)
+        if not self.has_chat_template:  # a base model's tokenizer: the request must say false or "auto"
+            raise ValueError("apply_chat_template=true, but the tokenizer has no chat template: set it false "
+                             "(the prompt text tokenised as is) or 'auto'")
+        messages = [{"role": "user", "content": text}]
         out: Any = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )
         return [int(tok) for tok in out["input_ids"]]
 
     def observation_ids(self, passages: list[Passage]) -> list[int]:
-        """`<information>` + rendered passages cut to the token budget + `</information>` (never cut)."""
-        body = self.encode(render_passages(passages))[: self.body_budget]
-        return self._open + body + self._close
+        """The observation of one search, at most `max_tokens` long. Truncation "passages": the head and tail of
+        the template around the rendered passages, each tokenised alone, the passages cut to fit (the closing tag
+        is never cut). "whole" (Search-R1's `_process_next_obs`): the filled template tokenised at once, then cut."""
+        body = render_passages(passages, self.spec.passage_template)
+        if self.spec.strip_passages:
+            body = body.strip()
+        if self.spec.observation_truncation == "whole":
+            return self.encode(fill(self.spec.observation_template, {"passages": body}))[: self.max_tokens]
+        return self._open + self.encode(body)[: self.body_budget] + self._close
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -148,9 +164,15 @@ async def run_agent(
     limits: AgentLimits,
     clock: BusyClock | None = None,
 ) -> Rollout:
-    """Roll out one trajectory; engine and retriever failures end it with `finish_reason="error"`."""
+    """Roll out one trajectory; a prompt the protocol cannot make, engine and retriever failures end it with
+    `finish_reason="error"`."""
     clock = clock or BusyClock()
-    rollout = Rollout(prompt_ids=protocol.prompt_ids(question), k=params.logprobs_k)
+    try:
+        prompt_ids = protocol.prompt_ids(question)
+    except ValueError as exc:  # the protocol cannot be served (no chat template): the trajectory says why
+        return Rollout(prompt_ids=[], k=params.logprobs_k, finish_reason="error", error=f"protocol: {exc}",
+                       timings={"total_s": 0.0})
+    rollout = Rollout(prompt_ids=prompt_ids, k=params.logprobs_k)
     start = time.perf_counter()
     try:
         await _loop(engine, searcher, protocol, rollout, params, limits, clock)

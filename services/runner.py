@@ -21,13 +21,15 @@ from sisrl.services.engines.base import Engine, SamplingParams
 from sisrl.services.engines.pool import for_trajectory
 from sisrl.services.load_gate import GatedEngine, LoadGate
 from sisrl.services.metrics import GatewayMetrics
+from sisrl.services.protocol import ProtocolSpec
 from sisrl.services.rewards import RewardSpec, reward_spec, score_response
-from sisrl.services.schemas import RewardParts, RolloutCreate, RolloutItem, Trajectory, Turn
+from sisrl.services.schemas import ProtocolIn, RewardParts, RolloutCreate, RolloutItem, Trajectory, Turn
 from sisrl.services.timing import BusyClock
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 _NS = uuid.UUID("6f1c2a5e-8d7b-4c1e-9a3f-5b2d7e9c0a41")  # fixed namespace: ids are reproducible
+PROTOCOLS_KEPT = 16  # distinct request protocols whose token pieces a runner keeps (oldest dropped first)
 
 
 def trajectory_id(batch_id: str, item_id: str, sample_index: int) -> str:
@@ -36,6 +38,12 @@ def trajectory_id(batch_id: str, item_id: str, sample_index: int) -> str:
 
 def group_id(batch_id: str, item_id: str) -> str:
     return uuid.uuid5(_NS, f"{batch_id}/{item_id}").hex
+
+
+def protocol_spec(body: ProtocolIn) -> ProtocolSpec:
+    """The agent's protocol of a request's `protocol`: its unset (null) fields take the gateway's defaults."""
+    given = {name: value for name, value in body.model_dump().items() if value is not None}
+    return ProtocolSpec(**given)
 
 
 def sample_seed(seed: int | None, ordinal: int) -> int | None:
@@ -68,6 +76,20 @@ class BatchRunner:
         self._batches: dict[str, set[asyncio.Task[None]]] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self._finishers: set[asyncio.Task[None]] = set()
+        self._protocols: dict[ProtocolSpec, SearchR1Protocol] = {}  # request protocols other than the gateway's
+
+    def protocol_for(self, spec: ProtocolSpec) -> SearchR1Protocol:
+        """The gateway's own protocol for its spec, else one built on its tokenizer and budget and kept for the
+        next batches (the PROTOCOLS_KEPT newest); ValueError when the observation's tags fill the budget."""
+        own = self.deps.protocol
+        if spec == own.spec:
+            return own
+        if spec not in self._protocols:
+            if len(self._protocols) >= PROTOCOLS_KEPT:
+                self._protocols.pop(next(iter(self._protocols)))
+            self._protocols[spec] = SearchR1Protocol(own.tokenizer, observation_max_tokens=own.default_max_tokens,
+                                                     spec=spec)
+        return self._protocols[spec]
 
     def is_running(self, batch_id: str) -> bool:
         return batch_id in self._batches
@@ -153,7 +175,12 @@ class BatchRunner:
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 logprobs_k=s.logprobs_k, seed=seed)
         limits = AgentLimits(max_turns=request.max_turns, max_response_tokens=self.deps.max_response_tokens)
-        return await run_agent(engine=GatedEngine(for_trajectory(self.deps.engine), self.gate), searcher=self.deps.searcher, protocol=self.deps.protocol,
+        try:
+            protocol = self.protocol_for(protocol_spec(request.protocol))
+        except ValueError as exc:  # a budget its tags fill: every trajectory ends so, the batch fails naming why
+            return Rollout(prompt_ids=[], k=params.logprobs_k, finish_reason="error", error=f"protocol: {exc}",
+                           timings={"total_s": 0.0})
+        return await run_agent(engine=GatedEngine(for_trajectory(self.deps.engine), self.gate), searcher=self.deps.searcher, protocol=protocol,
                                question=item.question, params=params, limits=limits, clock=self.deps.clock)
 
     def to_trajectory(self, batch_id: str, request: RolloutCreate, item: RolloutItem, sample_index: int,

@@ -9,6 +9,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 from sisrl.common.wire import DEFAULT_LOGPROBS_K, MAX_LOGPROBS_K, MAX_SIS_RECORDS
+from sisrl.services.protocol import (
+    CORRECTIVE,
+    OBSERVATION_TEMPLATE,
+    PASSAGE_TEMPLATE,
+    PROMPT_TEMPLATE,
+    template_error,
+)
 from sisrl.services.rewards import DEFAULT_SPECS
 
 BatchStatus = Literal["running", "done", "failed", "partial"]
@@ -16,6 +23,7 @@ FinishReason = Literal["answer", "eos", "max_turns", "length", "error"]
 
 # Stored text must not hold NUL: PostgreSQL text columns refuse it (SQLite would keep it), so it is a 422 here.
 NO_NUL = r"^[^\x00]*$"
+MAX_TEMPLATE = 32768  # characters of one protocol template
 _ID = Field(min_length=1, max_length=256, pattern=NO_NUL)
 _Text = Annotated[str, StringConstraints(pattern=NO_NUL)]
 MAX_TOKENS = 65536  # the largest max_response_tokens (GatewaySettings): no per-token array is longer
@@ -76,6 +84,53 @@ class SamplingIn(_Strict):
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
 
+def _holds(slot: str) -> str:
+    """A pattern for text without NUL that holds `{slot}` at least once."""
+    return r"^[^\x00]*\{" + slot + r"\}[^\x00]*$"
+
+
+class ProtocolIn(_Strict):
+    """How the question becomes the prompt and each search's passages an observation (services/protocol.py).
+    The defaults are the gateway's own protocol; docs/trainer.md, "Search-R1's protocol", gives Search-R1's."""
+
+    prompt_template: str | None = Field(
+        default=None, min_length=1, max_length=MAX_TEMPLATE, pattern=_holds("question"),
+        description="the prompt text (the user turn when the chat template applies); every `{question}` is the "
+                    "question, stripped. null = the gateway's instructions: " + repr(PROMPT_TEMPLATE))
+    append_question_mark: bool = Field(
+        default=False, description="append `?` to a question that does not end with one (Search-R1's data does)")
+    apply_chat_template: bool | Literal["auto"] = Field(
+        default=True, description="true: the prompt is one user message through the tokenizer's chat template with "
+                                  "the assistant header after it (a tokenizer without one fails the batch); false: "
+                                  "the prompt text tokenised as is (base models); 'auto': true when the tokenizer "
+                                  "has a chat template (Search-R1's rule)")
+    observation_template: str | None = Field(
+        default=None, min_length=1, max_length=MAX_TEMPLATE, pattern=_holds("passages"),
+        description="one search's observation; `{passages}` (exactly once) = the rendered passages. null = "
+                    + repr(OBSERVATION_TEMPLATE))
+    passage_template: str | None = Field(
+        default=None, min_length=1, max_length=MAX_TEMPLATE, pattern=NO_NUL,
+        description="one passage: `{i}` its rank from 1, `{title}` the first line of its contents, `{text}` the "
+                    "rest. null = Search-R1's " + repr(PASSAGE_TEMPLATE))
+    strip_passages: bool = Field(
+        default=False, description="strip white space around the rendered passages (Search-R1 does)")
+    observation_truncation: Literal["passages", "whole"] = Field(
+        default="passages", description="'passages': the passages are cut to the budget, the template's text "
+                                        "around them is kept whole; 'whole': the filled template is tokenised at "
+                                        "once and cut to the budget, closing tag included (Search-R1)")
+    observation_max_tokens: int | None = Field(
+        default=None, ge=16, le=8192, description="token budget of one observation; null = the gateway's "
+                                                  "--observation-max-tokens")
+    invalid_action_message: str | None = Field(
+        default=None, min_length=1, max_length=MAX_TEMPLATE, pattern=NO_NUL,
+        description="inserted after a turn with neither a search nor an answer; null = " + repr(CORRECTIVE))
+
+    def rule_error(self) -> str | None:
+        if self.observation_template is None:
+            return None
+        return template_error("protocol.observation_template", self.observation_template, "passages", once=True)
+
+
 class RolloutCreate(_Strict):
     """`POST /v1/rollouts` body."""
 
@@ -89,13 +144,19 @@ class RolloutCreate(_Strict):
     items: list[RolloutItem] = Field(min_length=1, max_length=4096)
     samples_per_item: int = Field(default=1, ge=1, le=256)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
-    max_turns: int = Field(default=4, ge=1, le=32)
+    max_turns: int = Field(default=4, ge=1, le=32,
+                           description="generations per trajectory at most: each search turn and the answer turn "
+                                       "is one, so N allows N - 1 searches and an answer")
+    protocol: ProtocolIn = Field(default_factory=ProtocolIn,
+                                 description="prompt and observation format (default: the gateway's own)")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256, pattern=NO_NUL)
 
     def rule_error(self) -> str | None:
         """Why this schema-valid body cannot run (the route answers 400), or None."""
         dup = first_repeat([item.id for item in self.items])
-        return None if dup is None else f"item ids must be unique within a batch, {dup!r} repeats"
+        if dup is not None:
+            return f"item ids must be unique within a batch, {dup!r} repeats"
+        return self.protocol.rule_error()
 
 
 class BatchCreated(BaseModel):

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from sisrl.common.wire import GATEWAY_URL, MAX_LOGPROBS_K
 
 
@@ -53,6 +61,26 @@ class DataConfig(_Section):
     eval_limit: int | None = Field(default=None, ge=1, description="evaluate at most this many rows per eval file")
 
 
+# Search-R1's protocol (PeterGriffinJin/Search-R1): the question stripped with '?' appended when missing
+# (scripts/data_process/nq_search.py, `process_fn`); the chat template applied whenever the tokenizer has one
+# (verl/utils/dataset/rl_dataset.py, `__getitem__`: `if self.tokenizer.chat_template`); the rendered passages
+# stripped inside the <information> block, the whole observation tokenised at once and cut to max_obs_length
+# (search_r1/llm_agent/generation.py, `execute_predictions` and `_process_next_obs`), 500 in its training scripts.
+SEARCH_R1: dict[str, Any] = {"append_question_mark": True, "apply_chat_template": "auto", "strip_passages": True,
+                             "observation_truncation": "whole", "observation_max_tokens": 500}
+
+
+def read_template(path: str) -> str:
+    """The text of a prompt template file; ValueError naming the file when it cannot be read or has no {question}."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    if "{question}" not in text:
+        raise ValueError(f"{path} has no {{question}}: the template must say where the question goes")
+    return text
+
+
 class RolloutConfig(_Section):
     source: Literal["gateway", "synthetic"] = Field(default="gateway", description="'gateway' (HTTP rollouts) or 'synthetic' (in-process toy task for tests and bench)")
     gateway_url: str = Field(default=GATEWAY_URL, description="base URL of the rollout gateway")
@@ -63,6 +91,36 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(default=128, ge=1, description="generated tokens per turn at most")
     max_turns: int = Field(default=2, ge=1, description="generations per trajectory at most: each search turn and "
                            "the answer turn is one, so N allows N - 1 searches and an answer (the gateway's max_turns)")
+    protocol: Literal["sisrl", "search-r1"] = Field(default="sisrl", description="prompt and observation format: "
+                                                    "'sisrl' = the defaults below; 'search-r1' = Search-R1's: the keys "
+                                                    "below that the config leaves out take its values ("
+                                                    + ", ".join(f"{k} {v}" for k, v in SEARCH_R1.items())
+                                                    + "), and its prompt must be given in prompt_template_file "
+                                                    "(docs/trainer.md, Search-R1's protocol)")
+    prompt_template: str | None = Field(default=None, min_length=1, description="the prompt text; {question} is the "
+                                        "question, stripped (None = the gateway's instructions)")
+    prompt_template_file: str | None = Field(default=None, min_length=1, description="a UTF-8 file whose text is "
+                                             "prompt_template (read at start and with every batch)")
+    append_question_mark: bool = Field(default=False, description="append '?' to a question that does not end with one")
+    apply_chat_template: bool | Literal["auto"] = Field(default=True, description="send the prompt as one user "
+                                                        "message through the tokenizer's chat template; false: the "
+                                                        "prompt text as is (base models); 'auto': when the tokenizer "
+                                                        "has a chat template")
+    observation_template: str | None = Field(default=None, min_length=1, description="one search's observation, "
+                                             "{passages} once (None = the gateway's: blank line, <information>, "
+                                             "{passages}, </information>, blank line)")
+    passage_template: str | None = Field(default=None, min_length=1, description="one retrieved passage: {i} its rank "
+                                         "from 1, {title}, {text} (None = the gateway's 'Doc {i}(Title: {title}) "
+                                         "{text}' line)")
+    strip_passages: bool = Field(default=False, description="strip white space around the rendered passages")
+    observation_truncation: Literal["passages", "whole"] = Field(default="passages", description="'passages': cut "
+                                                                 "the passages to the budget, keep the text around "
+                                                                 "them; 'whole': cut the whole observation, closing "
+                                                                 "tag included")
+    observation_max_tokens: int | None = Field(default=None, ge=16, le=8192, description="token budget of one "
+                                               "observation (None = the gateway's --observation-max-tokens)")
+    invalid_action_message: str | None = Field(default=None, min_length=1, description="text inserted after a turn "
+                                               "with neither a search nor an answer (None = the gateway's)")
     temperature: float = Field(default=1.0, gt=0, description="sampling temperature (the trainer evaluates pi_theta at the same temperature)")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass for sampling; must be 1.0 with gateway "
                          "rollouts (pi is evaluated at the temperature only, on the full vocabulary)")
@@ -79,6 +137,48 @@ class RolloutConfig(_Section):
     poll_interval_s: float = Field(default=0.5, gt=0, description="seconds between batch status polls")
     synthetic_response_len: int = Field(default=8, ge=1, description="synthetic source: generated tokens per response")
     synthetic_target_frac: float = Field(default=0.1, gt=0, lt=1, description="synthetic source: share of the vocabulary that is rewarded")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile(cls, data: Any) -> Any:
+        """`protocol: search-r1` fills in Search-R1's values for the protocol keys the config leaves out."""
+        if isinstance(data, dict) and data.get("protocol") == "search-r1":
+            return {**SEARCH_R1, **data}
+        return data
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _holds_question(cls, value: str | None) -> str | None:
+        if value is not None and "{question}" not in value:
+            raise ValueError("has no {question}: the template must say where the question goes")
+        return value
+
+    @field_validator("prompt_template_file")
+    @classmethod
+    def _file_holds_question(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_template(value)
+        return value
+
+    @field_validator("observation_template")
+    @classmethod
+    def _holds_passages(cls, value: str | None) -> str | None:
+        if value is not None and value.count("{passages}") != 1:
+            raise ValueError(f"holds {{passages}} {value.count('{passages}')} times: expected once")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RolloutConfig:
+        if self.prompt_template is not None and self.prompt_template_file is not None:
+            raise ValueError("set rollout.prompt_template or rollout.prompt_template_file, not both")
+        if self.protocol == "search-r1" and self.prompt_template is None and self.prompt_template_file is None:
+            raise ValueError("rollout.protocol=search-r1 needs Search-R1's prompt in rollout.prompt_template_file "
+                             "(sisrl does not ship it; docs/trainer.md, Search-R1's protocol, says where it is)")
+        return self
+
+    def prompt(self) -> str | None:
+        """The prompt template the gateway gets: prompt_template, or the text of prompt_template_file."""
+        return self.prompt_template if self.prompt_template_file is None else read_template(self.prompt_template_file)
 
 
 class AlgorithmConfig(_Section):

@@ -81,6 +81,12 @@ class GatewayClient:
             "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "logprobs_k": k, "seed": seed},
             "max_turns": cfg.max_turns,
+            "protocol": {"prompt_template": cfg.prompt(), "append_question_mark": cfg.append_question_mark,
+                         "apply_chat_template": cfg.apply_chat_template,
+                         "observation_template": cfg.observation_template, "passage_template": cfg.passage_template,
+                         "strip_passages": cfg.strip_passages, "observation_truncation": cfg.observation_truncation,
+                         "observation_max_tokens": cfg.observation_max_tokens,
+                         "invalid_action_message": cfg.invalid_action_message},
             # Same key for the same (run, step): a retried POST after a crash reuses the batch, never duplicates it.
             "idempotency_key": key or f"{run}:{step}",
         }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,11 @@ GATEWAY_FILE = "gateway.json"  # RUN_DIR/gateway.json: the gateway's /health `ro
 # evaluation (`_evaluate` in loop.py) sends these from the run's config, one sample per question, greedily.
 FOLLOWED = {"max_turns": "rollout.max_turns", "max_new_tokens": "rollout.max_new_tokens",
             "top_p": "rollout.top_p", "logprobs_k": "algorithm.logprobs_k", "seed": "seed"}
+# The prompt and observation format (`rollout.protocol` and the keys it fills): always the run's, no flags; a
+# policy is evaluated on the prompts it was trained on.
+PROTOCOL_KEYS = ("protocol", "prompt_template", "prompt_template_file", "append_question_mark", "apply_chat_template",
+                 "observation_template", "passage_template", "strip_passages", "observation_truncation",
+                 "observation_max_tokens", "invalid_action_message")
 
 
 def export_hf(checkpoint: Path) -> Path:
@@ -83,18 +88,20 @@ class EvalSettings:
     sources: dict[str, str]  # the same names -> "flag", "run" or "default"
     run_file: Path | None  # the run config followed; None when no sisrl-train run wrote the checkpoint
     run_dir: Path | None  # the run's directory (where GATEWAY_FILE lies)
+    protocol: dict[str, Any] = field(default_factory=dict)  # the run's PROTOCOL_KEYS it sets (empty: the defaults)
 
     def rollout(self, gateway_url: str) -> RolloutConfig:
         """The rollout section `evaluate` sends (it sets one sample per question and the temperature)."""
         v = self.values
         return RolloutConfig(gateway_url=gateway_url, max_turns=v["max_turns"], max_new_tokens=v["max_new_tokens"],
-                             top_p=v["top_p"])
+                             top_p=v["top_p"], **self.protocol)
 
     def describe(self) -> str:
         """One line: each value and its source (`max_turns=3 (run) ... seed=2 (flag) ...`) and the run's file."""
         shown = " ".join(f"{name}={value} ({self.sources[name]})" for name, value in self.values.items())
         origin = f"the run's config {self.run_file}" if self.run_file else "no run config found: the defaults"
-        return f"eval: {shown} samples_per_item=1; unset flags from {origin}"
+        fmt = "the run's prompt and observation format" if self.protocol else "the default prompt format"
+        return f"eval: {shown} samples_per_item=1; unset flags from {origin}; {fmt}"
 
 
 def eval_settings(checkpoint: Path, flags: dict[str, Any]) -> EvalSettings:
@@ -118,7 +125,10 @@ def eval_settings(checkpoint: Path, flags: dict[str, Any]) -> EvalSettings:
         return EvalSettings(values=values, sources=sources, run_file=None, run_dir=None)
     run_file = found[1]  # RUN_DIR/config.json, or RUN_DIR/checkpoints/step_N/trainer_state.json
     run_dir = run_file.parent if run_file.name == "config.json" else checkpoint.parent.parent
-    return EvalSettings(values=values, sources=sources, run_file=run_file, run_dir=run_dir)
+    default = RolloutConfig().model_dump()
+    rollout = run.get("rollout", {}) if isinstance(run.get("rollout"), dict) else {}
+    protocol = {k: rollout[k] for k in PROTOCOL_KEYS if k in rollout and rollout[k] != default.get(k)}
+    return EvalSettings(values=values, sources=sources, run_file=run_file, run_dir=run_dir, protocol=protocol)
 
 
 def record_gateway(run_dir: Path, rollout: dict[str, Any] | None) -> None:

@@ -46,7 +46,8 @@ def response_budget(max_turns: int, max_new_tokens: int, observation_max_tokens:
 def gateway_limits(cfg: TrainConfig, observation_max_tokens: int = OBSERVATION_MAX_TOKENS) -> dict[str, int]:
     """The gateway flags that `cfg` needs: its response budget and one step's trajectories generating at once."""
     r = cfg.rollout
-    return {"max_response_tokens": response_budget(r.max_turns, r.max_new_tokens, observation_max_tokens),
+    obs = r.observation_max_tokens or observation_max_tokens  # the config's own budget wins (sent per request)
+    return {"max_response_tokens": response_budget(r.max_turns, r.max_new_tokens, obs),
             "max_concurrency": min(MAX_CONCURRENCY, r.prompts_per_step * r.samples_per_prompt)}
 
 
@@ -55,7 +56,7 @@ def check_gateway(cfg: TrainConfig, rollout: dict[str, Any] | None) -> None:
     field (None from a gateway that reports none: nothing to check)."""
     if not rollout or "max_response_tokens" not in rollout:
         return
-    obs = int(rollout.get("observation_max_tokens", OBSERVATION_MAX_TOKENS))
+    obs = cfg.rollout.observation_max_tokens or int(rollout.get("observation_max_tokens", OBSERVATION_MAX_TOKENS))
     need = response_budget(cfg.rollout.max_turns, cfg.rollout.max_new_tokens, obs)
     have = int(rollout["max_response_tokens"])
     if have < need:

@@ -58,7 +58,7 @@ def test_eval_defaults_follow_the_run_that_wrote_the_checkpoint(tmp_path: Path) 
                           "temperature": 1.0}  # a flag given wins
     assert got.describe() == (f"eval: max_turns=5 (flag) max_new_tokens=96 (run) top_p=1.0 (run) logprobs_k=4 (flag) "
                               f"seed=2 (flag) temperature=1.0 (flag) samples_per_item=1; unset flags from the run's "
-                              f"config {step / 'trainer_state.json'}")
+                              f"config {step / 'trainer_state.json'}; the default prompt format")
 
     # The SFT warm start's HF directory: RUN_DIR/hf, whose own config.json is the model's, not the run's.
     hf = tmp_path / "sft" / "hf"
@@ -75,7 +75,7 @@ def test_eval_defaults_follow_the_run_that_wrote_the_checkpoint(tmp_path: Path) 
     got = eval_settings(_eval_args(bare))
     assert (got.values["max_turns"], got.values["max_new_tokens"], got.values["seed"]) == (
         RolloutConfig().max_turns, RolloutConfig().max_new_tokens, 0)
-    assert got.run_dir is None and got.describe().endswith("no run config found: the defaults")
+    assert got.run_dir is None and got.describe().endswith("no run config found: the defaults; the default prompt format")
 
 
 def test_eval_names_gateway_settings_that_differ_from_the_run(tmp_path: Path,

@@ -75,3 +75,23 @@ def test_the_search_r1_profile(tmp_path: Path) -> None:
     mine = load_config(None, [TRAIN, "rollout.protocol=search-r1", f"rollout.prompt_template_file={template}",
                               "rollout.apply_chat_template=false"])
     assert mine.rollout.apply_chat_template is False and mine.rollout.strip_passages is True
+
+
+def test_eval_sends_the_runs_prompt_format(tmp_path: Path) -> None:
+    """`sisrl-train eval` of a checkpoint evaluates with the prompt and observation format the run trained on."""
+    from sisrl.trainer.evaluate import eval_settings
+
+    template = tmp_path / "prompt.txt"
+    template.write_text("Answer it, searching first. Question: {question}\n")
+    cfg = config_from_dict({"rollout": {"protocol": "search-r1", "prompt_template_file": str(template)},
+                            "data": {"train": [{"path": str(template)}]}})
+    run_dir = tmp_path / "run"
+    (run_dir / "policy" / "v000003").mkdir(parents=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json())
+    settings = eval_settings(run_dir / "policy" / "v000003", {})
+    sent = settings.rollout("http://127.0.0.1:1")
+    assert sent.prompt_template_file == str(template) and sent.observation_truncation == "whole"
+    assert sent.append_question_mark and sent.apply_chat_template == "auto" and sent.observation_max_tokens == 500
+    assert "the run's prompt and observation format" in settings.describe()
+    plain = eval_settings(tmp_path / "elsewhere", {})  # no run: the gateway's own format
+    assert plain.protocol == {} and plain.rollout("http://127.0.0.1:1").prompt_template_file is None

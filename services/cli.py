@@ -41,8 +41,19 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error(flag_problems(exc))
 
 
+def _refuse_env_only_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A flag for an env-only secret is refused by name (argparse would take `--retriever-token` as an abbreviation
+    of `--retriever-token-file` and read the token as a path)."""
+    for name in ENV_ONLY:
+        flag = "--" + name.replace("_", "-")
+        if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
+            parser.error(f"{flag}: a secret is not taken on the command line, where every local user can read it "
+                         f"(ps); set {SECRETS[name]}, or give {flag}-file FILE")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    _refuse_env_only_flags(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     settings = settings_from_args(args, parser)
     if (busy := port_problem(settings.host, settings.port)) is not None:

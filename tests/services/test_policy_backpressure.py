@@ -15,6 +15,7 @@ import httpx
 import pytest
 from sisrl.common.procs import Service, free_port, launch_module, wait_healthy
 from sisrl.services.engines.base import SamplingParams
+from sisrl.services.engines.openai_server import parse_args
 from sisrl.services.engines.vllm_http import VLLMHttpEngine
 
 from tests.services.conftest import STARTUP_S
@@ -87,6 +88,7 @@ def test_a_second_completion_past_the_cap_gets_429_and_a_gone_client_cancels_its
     assert 0 < sampled < MAX_TOKENS
     assert metric(url, 'sisrl_engine_cancelled_total{reason="disconnect"}') == 1
     assert metric(url, 'sisrl_engine_rejected_total{reason="full"}') == 1
+    assert "local engine step failed" not in one_slot_server.log.read_text()  # the row left quietly
 
     answered = httpx.post(f"{url}/v1/completions", json=completion(4), timeout=30)  # the place was freed
     assert answered.status_code == 200 and len(answered.json()["choices"][0]["token_ids"]) <= 4
@@ -122,3 +124,29 @@ def test_the_http_engine_never_retries_a_timed_out_generation_and_keeps_to_its_r
     # The server saw the connection close and cancelled the generation.
     wait_metric(url, "sisrl_engine_in_flight", 0, timeout_s=5)
     assert metric(url, 'sisrl_engine_cancelled_total{reason="disconnect"}') == cancelled + 1
+
+
+@pytest.mark.parametrize(("env", "problem"), [
+    ({"SISRL_ENGINE_API_TOKEN": "short-token"}, "SISRL_ENGINE_API_TOKEN: expected at least 16 characters, got 11"),
+    ({"SISRL_ENGINE_API_TOKEN": "engine-token-0123456789", "SISRL_ENGINE_API_TOKEN_FILE": "/x"}, "not both"),
+    ({"SISRL_ENGINE_API_TOKEN_FILE": "/nonexistent/token"}, "SISRL_ENGINE_API_TOKEN_FILE: cannot read"),
+])
+def test_the_policy_server_token_comes_from_its_env_or_file_and_has_16_characters(
+        env: dict[str, str], problem: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SISRL_ENGINE_API_TOKEN", raising=False)
+    monkeypatch.delenv("SISRL_ENGINE_API_TOKEN_FILE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit):
+        parse_args(["--port", str(free_port())])
+    error = capsys.readouterr().err
+    assert problem in error and "short-token" not in error and "0123456789" not in error
+
+
+def test_the_policy_server_reads_its_token_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SISRL_ENGINE_API_TOKEN", raising=False)
+    (tmp_path / "token").write_text("engine-token-0123456789\n")
+    monkeypatch.setenv("SISRL_ENGINE_API_TOKEN_FILE", str(tmp_path / "token"))
+    settings = parse_args(["--port", str(free_port())])
+    assert settings.api_token is not None and settings.api_token.get_secret_value() == "engine-token-0123456789"

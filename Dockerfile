@@ -58,6 +58,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 
-# Inside the container the server must listen on all interfaces for the published port to reach it.
+# Inside the container the server must listen on all interfaces for the published port to reach it. With no
+# SISRL_RETRIEVER_API_TOKEN (give it with -e or an env file, never in CMD: `ps` would show it) it starts with a
+# warning that it is open to whatever reaches that port.
 ENTRYPOINT ["sisrl-retriever"]
 CMD ["serve", "--index", "/data/index", "--corpus", "/data/corpus.jsonl", "--host", "0.0.0.0", "--port", "8000"]

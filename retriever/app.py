@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sisrl.common.admission import AdmissionGate
 from sisrl.common.http import ServiceMiddleware, fastapi_options
 from sisrl.common.openapi import fit_openapi
 from sisrl.retriever.encode_procs import EncoderProcesses
@@ -97,6 +98,9 @@ def create_app(settings: Settings) -> FastAPI:
                   description="E5 + FAISS dense retrieval with Search-R1's /retrieve contract.")
     app.state.settings = settings
     app.state.metrics = metrics_registry
+    app.state.admission = AdmissionGate(max_in_flight=settings.max_in_flight, max_queued=settings.max_queued,
+                                        timeout_s=settings.request_timeout_s, registry=metrics_registry.registry,
+                                        prefix="sisrl_retriever")
     app.include_router(retrieve.router)
     app.include_router(health.router)
     app.include_router(metrics.router)

@@ -169,10 +169,11 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from sisrl.common.http import configure_logging
     from sisrl.common.procs import port_problem
+    from sisrl.common.secrets import command_line_warnings, open_bind_warning
     from sisrl.retriever.app import create_app
     from sisrl.retriever.manifest import MANIFEST_FILE
     from sisrl.retriever.preflight import check_serve
-    from sisrl.retriever.settings import Settings
+    from sisrl.retriever.settings import TOKEN_ENV, Settings
 
     # A server's encoder threads share the cores with the event loop (and, on a small machine, with its clients):
     # OpenMP threads spinning at every barrier steal those cores. Passive waits (torch's OpenMP reads this at load;
@@ -183,6 +184,11 @@ def run_serve(args: argparse.Namespace) -> int:
     values = {k: v for k, v in vars(args).items() if k not in ("command", "corpus")}
     settings = Settings(**values)
     configure_logging(settings.log_level)  # one JSON line per record, with the request id (sisrl.common.http)
+    for warning in command_line_warnings(values, {"api_token": TOKEN_ENV}):
+        logger.warning(warning)
+    if (open_bind := open_bind_warning("the retriever", settings.host, settings.port,
+                                       token_set=settings.api_token is not None, env=TOKEN_ENV)) is not None:
+        logger.warning(open_bind)
     corpus: Path | None = getattr(args, "corpus", None)
     if (busy := port_problem(settings.host, settings.port)) is not None:
         raise ValueError(busy)  # before the encoder loads (or a build from --corpus runs)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sisrl.common.secrets import check_token, secrets_from_files
 from sisrl.common.wire import RETRIEVER_PORT
 from sisrl.retriever.encoder import BACKENDS, DTYPES
 
+TOKEN_ENV = "SISRL_RETRIEVER_API_TOKEN"
 MAX_TOPK = 100  # the wire limit on `topk`: outside 1..100 is a 422 (docs/design.md, "Retrieval")
 
 
@@ -72,9 +75,28 @@ class Settings(BaseSettings):
     ef_search: int = Field(128, ge=1, description="HNSW: candidate list size per query")
     rerank: int = Field(0, ge=0, description="approximate indexes (IVF, HNSW): fetch this many candidates per "
                         "query and re-score them exactly from the build's float shards on disk; 0 = off")
-    api_token: SecretStr | None = Field(None, description="when set, /retrieve and /metrics need "
-                                        "`Authorization: Bearer <token>`")
+    max_in_flight: int = Field(256, ge=1, le=10**6, description="/retrieve requests served at once (their "
+                               "queries coalesce into encoder batches); more wait in the queue")
+    max_queued: int = Field(1024, ge=0, le=10**6, description="/retrieve requests waiting for a place in flight; "
+                            "one more is answered 429 with Retry-After at once")
+    request_timeout_s: float = Field(120.0, gt=0, le=86400, description="deadline of one /retrieve request, queue "
+                                     "wait included: past it the request is answered 503 with Retry-After")
+    api_token: SecretStr | None = Field(None, description="when set (at least 16 characters), /retrieve and "
+                                        "/metrics need `Authorization: Bearer <token>`; give it by env var or "
+                                        "--api-token-file, not as a flag (empty = unset)")
+    api_token_file: Path | None = Field(None, description="file holding api_token (e.g. a mounted secret); its "
+                                        "trailing newline is dropped")
     log_level: str = Field("info", description="debug | info | warning | error")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_token_file(cls, values: Any) -> Any:
+        return secrets_from_files(values, ("api_token",))
+
+    @model_validator(mode="after")
+    def _long_enough_token(self) -> Settings:
+        check_token(self.api_token, "api_token", TOKEN_ENV)
+        return self
 
     @field_validator("dtype")
     @classmethod

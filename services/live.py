@@ -45,6 +45,7 @@ def _real_engine(kind: str, settings: GatewaySettings, tokenizer: PreTrainedToke
         key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
         servers = [create_engine("vllm-http", model=settings.model, url=url, api_key=key,
                                  timeout_s=settings.engine_timeout_s, retries=settings.engine_retries,
+                                 retry_budget_s=settings.engine_retry_budget_s,
                                  weights_route=settings.engine_weights_route,
                                  after_weights_routes=settings.after_weights_routes,
                                  max_connections=settings.max_concurrency)
@@ -84,6 +85,7 @@ def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clo
         retry=RetryPolicy(retries=settings.retriever_retries, backoff_s=settings.retriever_backoff_s),
         batch_size=settings.retriever_batch_size, window_s=settings.retriever_window_ms / 1000,
         on_request=metrics.record_retriever,
+        token=settings.retriever_token.get_secret_value() if settings.retriever_token else None,
     )
     specs = {name: RewardSpec(metric=spec.metric, format_weight=settings.format_weight)
              for name, spec in DEFAULT_SPECS.items()}

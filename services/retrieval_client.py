@@ -11,6 +11,9 @@ retried at once on another; a down one is probed back (`GET /health`) once its t
 queries again. Only when every retriever is down does a retry wait out the backoff; a request that fails on
 all of them for `retry.retries + 1` attempts raises `RetrievalError` naming each one's last reason.
 
+A retriever that requires a bearer token (its `SISRL_RETRIEVER_API_TOKEN`) gets `token` on every request, the
+start-up check included; its 401 is a refusal, not an outage: the error says which setting gives the token.
+
 A retriever URL is its base URL or its `/retrieve` endpoint (Search-R1's `retriever.url` is the endpoint): both
 name the same server (`retriever_urls`), and every error and warning names the endpoint that was posted to.
 Wire format: docs/design.md, "Retrieval" (Search-R1 `retrieval_server.py` request/response shapes).
@@ -107,8 +110,14 @@ def retriever_urls(urls: str | Sequence[str]) -> list[str]:
     return split_urls(urls, route=ROUTE)
 
 
+TOKEN_SETTING = "SISRL_GATEWAY_RETRIEVER_TOKEN"  # where a gateway gets the token it sends (services/settings.py)
+
+
 def _hint(status: int) -> str:
     """What a refusal most likely means, for the error text."""
+    if status == 401:
+        return (f" (the retriever requires a bearer token: set {TOKEN_SETTING} to its SISRL_RETRIEVER_API_TOKEN; "
+                "a token is sent only when that is set)")
     if status in (404, 405):
         return " (no Search-R1 /retrieve route there: give the retriever's base URL or its /retrieve endpoint)"
     return ""
@@ -137,7 +146,9 @@ class RetrievalClient:
         window_s: float = 0.002,
         down_s: float = 5.0,
         on_request: Callable[[str, float], None] | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: sent as `Authorization: Bearer <token>` on every request (None: no header)."""
         self.endpoints = [Endpoint(u) for u in retriever_urls(url)]
         self.url = self.endpoints[0].url  # the first one (kept for callers that know a single retriever)
         self.topk = topk
@@ -146,7 +157,8 @@ class RetrievalClient:
         self.window_s = window_s
         self.down_s = down_s
         self._on_request = on_request
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self._pending: list[tuple[str, asyncio.Future[list[Passage]]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._sends: set[asyncio.Task[None]] = set()

@@ -6,20 +6,27 @@ The CLI builds a `GatewaySettings` from its options; `create_app(settings)` take
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sisrl.common.hardware import DTYPE_NAMES
+from sisrl.common.secrets import check_token, secrets_from_files
 from sisrl.common.wire import GATEWAY_PORT, RETRIEVER_URL, RUNS_ROOT
 from sisrl.services.retrieval_client import retriever_urls, split_urls
 
 ENGINES = ("local", "vllm-http", "vllm", "scripted")
+ENV_PREFIX = "SISRL_GATEWAY_"
+# Each secret setting and its environment variable; `<name>_file` names a file holding it (sisrl.common.secrets).
+SECRETS = {name: ENV_PREFIX + name.upper() for name in ("api_token", "retriever_token", "engine_api_key")}
+# Secrets that have no command-line flag at all: the environment or their file only.
+ENV_ONLY = ("retriever_token",)
 
 
 class GatewaySettings(BaseSettings):
     """Every option of the gateway; env var = `SISRL_GATEWAY_` + field name in upper case."""
 
-    model_config = SettingsConfigDict(env_prefix="SISRL_GATEWAY_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     store_only: bool = Field(default=False, description="serve the store, its REST API and the viewer with no engine "
                              "and no model load (generation routes answer 503); only the tokenizer is read")
@@ -35,7 +42,10 @@ class GatewaySettings(BaseSettings):
                                    "(least loaded at its first turn), a failing one is skipped and probed back, "
                                    "every one loads each new policy")
     engine_api_key: SecretStr | None = Field(default=None, description="bearer token the vllm-http engine sends "
-                                             "(the server's --api-key / SISRL_ENGINE_API_TOKEN; unset = none)")
+                                             "(the server's --api-key / SISRL_ENGINE_API_TOKEN; unset = none); "
+                                             "give it by env var or --engine-api-key-file, not as a flag")
+    engine_api_key_file: Path | None = Field(default=None, description="file holding engine_api_key (e.g. a "
+                                             "mounted secret); its trailing newline is dropped")
     engine_weights_route: str = Field(default="/v1/load_weights", description="vllm-http weight-load route: "
                                       "/v1/load_weights (sisrl's policy server) or /collective_rpc (vLLM with "
                                       "VLLM_SERVER_DEV_MODE=1 and the SafetensorsReload worker extension)")
@@ -44,6 +54,9 @@ class GatewaySettings(BaseSettings):
     engine_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="vllm-http request timeout")
     engine_retries: int = Field(default=3, ge=0, le=20, description="vllm-http retries of a failed generation "
                                 "(a weight load is retried only when its connection never opened)")
+    engine_retry_budget_s: float = Field(default=120.0, ge=0, le=86400, description="vllm-http: seconds one "
+                                         "generation may take over all its attempts; no retry starts past it (a "
+                                         "generation that timed out is never retried: the server ran it once)")
     engine_max_model_len: int | None = Field(default=None, ge=16, le=2**20, description="engine vllm (in "
                                              "process): context length (unset: the model's)")
     engine_enforce_eager: bool = Field(default=False, description="engine vllm (in process): no CUDA graphs / "
@@ -56,11 +69,18 @@ class GatewaySettings(BaseSettings):
                                "or its /retrieve endpoint (as Search-R1's retriever.url); several, "
                                "comma-separated, share the queries (least in flight; a failing one is skipped "
                                "and probed back)")
+    retriever_token: SecretStr | None = Field(default=None, description="bearer token sent on every search (the "
+                                              "retriever's SISRL_RETRIEVER_API_TOKEN); env var or "
+                                              "--retriever-token-file only, no flag (unset = none)")
+    retriever_token_file: Path | None = Field(default=None, description="file holding retriever_token (e.g. a "
+                                              "mounted secret); its trailing newline is dropped")
     db_url: str = Field(default="sqlite:///gateway.db", description="SQLAlchemy URL of the rollout store")
     host: str = Field(default="127.0.0.1", description="bind address")
     port: int = Field(default=GATEWAY_PORT, ge=1, le=65535)
-    api_token: SecretStr | None = Field(default=None,
-                                        description="bearer token for every non-health route (unset = open)")
+    api_token: SecretStr | None = Field(default=None, description="bearer token for every non-health route "
+                                        "(unset = open); give it by env var or --api-token-file, not as a flag")
+    api_token_file: Path | None = Field(default=None, description="file holding api_token (e.g. a mounted "
+                                        "secret); its trailing newline is dropped")
     # The trainer pushes RUN_DIR/policy/v<N> with RUN_DIR under `runs/` by default: the same folder, so the
     # two defaults work together when both start in one working directory.
     checkpoint_root: Path = Field(default=Path(RUNS_ROOT), description="POST /v1/policy paths must lie under it")
@@ -77,6 +97,11 @@ class GatewaySettings(BaseSettings):
     retriever_batch_size: int = Field(default=64, ge=1, le=4096, description="queries per coalesced request")
     retriever_window_ms: float = Field(default=2.0, ge=0, le=1000, description="wait to coalesce queries")
     log_level: str = Field(default="info", description="debug | info | warning | error")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_secret_files(cls, values: Any) -> Any:
+        return secrets_from_files(values, SECRETS)
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
@@ -111,8 +136,10 @@ class GatewaySettings(BaseSettings):
                 raise ValueError(f"engine_url: {exc}") from None
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: expected debug|info|warning|error, got {self.log_level!r}")
-        if self.api_token is not None and len(self.api_token.get_secret_value()) < 8:
-            raise ValueError("api_token: expected at least 8 characters")
+        check_token(self.api_token, "api_token", SECRETS["api_token"])
+        # No flag: the error names the variable (upper case, so no `--retriever-token` is made of it). The engine
+        # key is the engine server's (vLLM's --api-key): its length is that server's business.
+        check_token(self.retriever_token, SECRETS["retriever_token"], SECRETS["retriever_token"])
         return self
 
     @property

@@ -57,7 +57,7 @@ class GatewayState:
 async def open_state(settings: GatewaySettings, *, clock: BusyClock, metrics: GatewayMetrics) -> GatewayState:
     sessions = store.open_db(settings.db_url)
     if settings.store_only:
-        log.info("store-only: serving %s with no engine", settings.db_url)
+        log.info("store-only: serving %s with no engine", store.display_url(settings.db_url))
         texts = load_texts(settings.tokenizer or settings.model)
         return GatewayState(settings=settings, sessions=sessions, metrics=metrics, live=None, texts=texts)
     from sisrl.services.live import open_live  # torch and transformers: only a generating gateway needs them

@@ -38,8 +38,8 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -135,6 +135,15 @@ class SisRecordRow(Base):
     d: Mapped[float] = mapped_column(Float)
     d_sis: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now, onupdate=_now)
+
+
+def display_url(url: str) -> str:
+    """`url` fit for a log line: its password as `***` (`postgresql://user:***@host/db`). A URL SQLAlchemy cannot
+    parse is not shown at all, since where its password sits is unknown."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(a database URL SQLAlchemy cannot parse; not shown)"
 
 
 def open_db(url: str) -> sessionmaker[Session]:

@@ -1,6 +1,6 @@
 """The option tables of the docs against the code they describe.
 
-The tables of docs/retriever.md (build, serve, eval), docs/gateway.md (serve) and docs/trainer.md (`sisrl-train
+The tables of docs/retriever.md (build, import, serve, eval), docs/gateway.md (serve) and docs/trainer.md (`sisrl-train
 eval`, `sisrl-data prepare` / `demo`) against the CLIs' own parsers: every flag a table names exists, every flag
 a parser has is in its table (an alias counts through its option), and each default a table gives is the one the
 parser's help prints; defaults that are prose ("from manifest", "the model") only have to be unset in the code.

@@ -147,8 +147,15 @@ class LocalEngine:
             self.prefix_cache.hits, self.prefix_cache.reused_tokens, self._batch.shared_prefix_tokens,
         )
 
+    @property
+    def running(self) -> int:
+        """Generations waiting or decoding, cancelled ones included until the next step drops them."""
+        return len(self._pending) + len(self._active)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Sample one continuation; see `Engine.generate`. Raises ValueError on a bad prompt or K."""
+        """Sample one continuation; see `Engine.generate`. Raises ValueError on a bad prompt or K.
+
+        Cancelling the call cancels the generation: its row leaves the batch before the next decode step."""
         self._check_open()
         check_prompt(prompt_ids, self.vocab_size)
         if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
@@ -288,6 +295,8 @@ class LocalEngine:
         """Drop cancelled rows, then prefill `admit` or decode every row; returns the rows that finished."""
         self._batch.keep(keep)
         self._active = [self._active[i] for i in keep]
+        if not admit and not self._active:  # every running row was cancelled (its client went away): no step
+            return []
         if admit:
             for slot in admit:
                 slot.version = self.policy_version

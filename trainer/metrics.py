@@ -49,7 +49,7 @@ def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, floa
     out["rollout/response_len"] = sum(len(t.response_ids) for t in trajs) / n
     out["rollout/policy_tokens"] = policy_tokens / n
     out["rollout/searches_per_traj"] = sum(_searches(t) for t in trajs) / n
-    out["rollout/errors"] = float(sum(1 for t in trajs if t.error))
+    out["rollout/trajectories"] = float(len(trajs))
     for reason, count in Counter(t.finish_reason or "unknown" for t in trajs).items():
         out[f"rollout/finish/{reason}"] = count / n
     out["perf/rollout_tokens_per_s"] = policy_tokens / max(rollout_s, 1e-9)

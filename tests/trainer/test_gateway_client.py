@@ -18,7 +18,13 @@ import pytest
 import torch
 from sisrl.trainer.batch import collate
 from sisrl.trainer.data import MixtureSampler, QAItem
-from sisrl.trainer.gateway_client import GatewayClient, GatewayError, GatewaySource, RetryPolicy
+from sisrl.trainer.gateway_client import (
+    GatewayClient,
+    GatewayError,
+    GatewaySource,
+    RetryPolicy,
+    retry_after_s,
+)
 from sisrl.trainer.pipeline import RolloutPipeline
 from sisrl.trainer.policy import build_optimizer, build_scheduler, load_policy
 from sisrl.trainer.sampling import SyntheticSource
@@ -87,6 +93,13 @@ def test_429_waits_its_retry_after_then_succeeds(gateway: ScriptedGateway) -> No
     assert 1.0 <= second - first < 1.8
 
 
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    assert retry_after_s("2") == 2.0 and retry_after_s("0.5") == 0.5 and retry_after_s("-3") == 0.0
+    in_10_s = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 10))
+    assert 8.0 < (retry_after_s(in_10_s) or 0.0) <= 10.0
+    assert retry_after_s(None) is None and retry_after_s("soon") is None
+
+
 def test_5xx_and_transport_errors_are_retried_4xx_is_not(gateway: ScriptedGateway) -> None:
     gateway.script[("POST", "/v1/rollouts")] = [(503, {}, {"detail": "restarting"}), (502, {}, "bad gateway"),
                                                 (500, {}, "boom"), (200, {}, {"batch_id": "b1", "status": "running"})]
@@ -149,6 +162,27 @@ def test_a_partial_batch_is_resumed_by_its_key_after_the_newest_policy_is_pushed
         client.wait("b1", timeout_s=30, poll_s=0.01, body=body)
 
 
+def _pipeline(gateway: ScriptedGateway, cfg: Any, trajectories: list[dict[str, Any]]) -> RolloutPipeline:
+    """A pipeline whose one batch is `trajectories`, served done by the scripted gateway."""
+    gateway.script[("POST", "/v1/rollouts")] = [(200, {}, {"batch_id": "b1", "status": "running"})]
+    gateway.script[("GET", "/v1/batches/b1")] = [_batch("done", len(trajectories), trajectories)]
+    items = [QAItem(id="q0", question="?", golden_answers=["a"], data_source="nq")]
+    source = GatewaySource(GatewayClient(gateway.url, retry=FAST), cfg.rollout, run="run", k=8, seed=0)
+    return RolloutPipeline.for_run(source, MixtureSampler([items], [1.0], seed=0), cfg.rollout, total_steps=4,
+                                   resumed=False)
+
+
+def test_a_trajectory_of_another_policy_version_is_dropped_and_counted(gateway: ScriptedGateway,
+                                                                     tmp_path: Path) -> None:
+    cfg = synthetic_config(tmp_path)
+    one = {"id": "t", "item_id": "q0", "group_id": "g", "data_source": "nq", "prompt_ids": [1], "response_ids": [2],
+           "loss_mask": [1], "behaviour_logprobs": [-0.1], "topk_ids": [[2]], "topk_logprobs": [[-0.1]],
+           "reward": 1.0, "policy_version": 0}
+    batch = [{**one, "id": f"t{v}", "policy_version": v} for v in (0, 1, 2)]
+    taken = _pipeline(gateway, cfg, batch).take(0, 1)  # sync (k = 0): the trainer expects version 1 only
+    assert ([t.id for t in taken.trajectories], taken.dropped, taken.errored) == (["t1"], 2, 0)
+
+
 def test_an_errored_trajectory_does_not_change_the_update(gateway: ScriptedGateway, tmp_path: Path) -> None:
     """The batch the gateway returns holds an extra errored trajectory with the best reward of its group; the
     update from what the pipeline takes equals the update without it (and differs from one trained on it)."""
@@ -158,14 +192,7 @@ def test_an_errored_trajectory_does_not_change_the_update(gateway: ScriptedGatew
     model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
     clean = SyntheticSource(model, cfg.rollout, k=8, seed=0, vocab_size=len(tok)).rollouts([], 0, 0)
     broken = replace(clean[0], id="0-err", reward=1.0, error="retriever: RetrievalError: HTTP 503")
-    gateway.script[("POST", "/v1/rollouts")] = [(200, {}, {"batch_id": "b1", "status": "running"})]
-    gateway.script[("GET", "/v1/batches/b1")] = [
-        _batch("done", 9, [t.to_json() for t in [*clean[:4], broken, *clean[4:]]])]
-    items = [QAItem(id="q0", question="?", golden_answers=["a"], data_source="nq")]
-    source = GatewaySource(GatewayClient(gateway.url, retry=FAST), cfg.rollout, run="run", k=8, seed=0)
-    pipeline = RolloutPipeline.for_run(source, MixtureSampler([items], [1.0], seed=0), cfg.rollout, total_steps=1,
-                                       resumed=False)
-    taken = pipeline.take(0, 0)
+    taken = _pipeline(gateway, cfg, [t.to_json() for t in [*clean[:4], broken, *clean[4:]]]).take(0, 0)
     assert (taken.errored, taken.dropped, [t.id for t in taken.trajectories]) == (1, 0, [t.id for t in clean])
 
     def weights_after(trajs: list[Any]) -> list[torch.Tensor]:

@@ -179,7 +179,7 @@ class GatewayClient:
 
         A `partial` batch (its gateway stopped, e.g. it was killed and restarted) is resumed when `body`, the
         request it was submitted with, is given: the same idempotency key is submitted again, and the gateway
-        runs only the missing samples (docs/gateway.md, "Batches"). Without `body`, or after MAX_IDLE_RESUMES
+        runs only the missing samples (docs/gateway.md, "API"). Without `body`, or after MAX_IDLE_RESUMES
         resubmissions in a row that stored no new trajectory, a partial batch is a GatewayError."""
         deadline = time.monotonic() + timeout_s
         resumed_at: int | None = None  # trajectories stored at the last resubmission

@@ -32,7 +32,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 
 def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, float]:
-    """Reward, EM per data source, lengths, searches and throughput of one rollout batch."""
+    """Reward, EM per data source, lengths, searches and throughput of the trajectories a step trains on (a
+    rollout batch without its errored and out-of-bound trajectories)."""
     n = max(1, len(trajs))
     out: dict[str, float] = {"reward/mean": sum(t.reward for t in trajs) / n}
     out["reward/std"] = math.sqrt(sum((t.reward - out["reward/mean"]) ** 2 for t in trajs) / n)

@@ -40,20 +40,31 @@ class Trajectory:
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> Trajectory:
+        """A trajectory from its wire form. A missing or null required field is a ValueError naming the field
+        and the trajectory, never a default: a reward of 0.0 would be trained on, an empty group id would merge
+        every such trajectory into one GRPO group, ones for a loss mask would train on the retrieved passages."""
         names = {f.name for f in fields(Trajectory)}
         kept = {k: v for k, v in obj.items() if k in names}
-        kept["reward"] = float(kept.get("reward") or 0.0)
+        missing = [key for key in REQUIRED if kept.get(key) is None or (key in _NON_EMPTY and kept[key] == "")]
+        if missing:
+            raise ValueError(f"trajectory {obj.get('id')!r}: no {', no '.join(missing)} (required: "
+                             f"{', '.join(REQUIRED)}); refusing to train on a guess")
+        kept["reward"] = float(kept["reward"])
+        kept["policy_version"] = int(kept["policy_version"])
         kept["reward_parts"] = {k: float(v) for k, v in (kept.get("reward_parts") or {}).items() if v is not None}
         kept["turns"] = kept.get("turns") or []
-        if kept.get("loss_mask") is None:  # never guess: ones would train on the retrieved passages
-            raise ValueError(f"trajectory {kept.get('id')!r}: no loss_mask (1 = policy token, 0 = inserted); "
-                             "refusing to treat every response token as the policy's")
         for key in ("group_id", "item_id", "data_source", "id"):
             kept[key] = str(kept.get(key) or "")
         return Trajectory(**kept)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Fields a trajectory must carry to be trained on (`from_json`); the loss mask first: its message is the oldest.
+REQUIRED = ("loss_mask", "id", "group_id", "reward", "policy_version", "prompt_ids", "response_ids",
+            "behaviour_logprobs", "topk_ids", "topk_logprobs")
+_NON_EMPTY = ("id", "group_id")  # an empty string is missing too
 
 
 def trajectories_to_bytes(trajs: list[Trajectory]) -> bytes:

@@ -135,6 +135,10 @@ class RolloutConfig(_Section):
                           "running trajectories finish on the weights they started with, new ones wait for the push")
     timeout_s: float = Field(default=1800.0, gt=0, description="seconds to wait for one rollout batch")
     poll_interval_s: float = Field(default=0.5, gt=0, description="seconds between batch status polls")
+    retry_budget_s: float = Field(default=600.0, ge=0, description="seconds one gateway request keeps retrying "
+                                  "transport errors, 429 (after its Retry-After) and 5xx, with capped exponential "
+                                  "backoff, before the run stops with the last error (0 = no retries); a gateway "
+                                  "restart must fit in it")
     synthetic_response_len: int = Field(default=8, ge=1, description="synthetic source: generated tokens per response")
     synthetic_target_frac: float = Field(default=0.1, gt=0, lt=1, description="synthetic source: share of the vocabulary that is rewarded")
 

@@ -182,6 +182,7 @@ def evaluate(client: GatewayClient, items: list[QAItem], *, run: str, step: int,
     """One sample per question (greedy at temperature 0) from the policy the gateway serves now; EM / F1 per
     data source."""
     eval_cfg = cfg.model_copy(update={"samples_per_prompt": 1, "temperature": temperature})
-    batch_id = client.submit(run=f"{run}-eval", step=step, policy_version=version, items=items, cfg=eval_cfg, k=k,
-                             seed=seed)
-    return em_by_source(client.wait(batch_id, timeout_s=cfg.timeout_s, poll_s=cfg.poll_interval_s))
+    body = client.rollout_body(run=f"{run}-eval", step=step, policy_version=version, items=items, cfg=eval_cfg, k=k,
+                               seed=seed)
+    batch_id = client.submit_body(body)  # with its body, `wait` resumes the batch if the gateway restarts
+    return em_by_source(client.wait(batch_id, timeout_s=cfg.timeout_s, poll_s=cfg.poll_interval_s, body=body))

@@ -9,9 +9,14 @@ MAX_SIS_RECORDS records a request).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import random
+import threading
 import time
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +29,109 @@ from sisrl.trainer.data import QAItem
 
 log = logging.getLogger(__name__)
 DONE = "done"
-PARTIAL = "partial"  # finished with fewer trajectories than asked (e.g. the gateway restarted mid-batch)
+PARTIAL = "partial"  # stopped with fewer trajectories than asked (its gateway stopped, e.g. killed or restarted)
 FAILED = "failed"
+MAX_IDLE_RESUMES = 3  # resubmissions of a partial batch in a row that store no new trajectory before giving up
 
 
 class GatewayError(RuntimeError):
     """The gateway refused a request or a batch failed; the message says which and why."""
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a request is tried again: after a transport error, a 429 or a 5xx. The n-th retry (n = 0, 1, ...)
+    waits min(max_s, first_s * 2^n) times a jitter in [0.5, 1.5) (so clients that failed together do not retry
+    together), or what a 429's or 503's `Retry-After` asks; a request gives up when the next wait would end more
+    than budget_s after its first failure. Every POST the trainer sends may be repeated: a rollout batch carries an
+    idempotency key, a policy push and SIS records replace what they stored before."""
+
+    budget_s: float = 600.0
+    first_s: float = 0.5
+    max_s: float = 30.0
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        return min(self.max_s, self.first_s * 2**retry) * rng.uniform(0.5, 1.5)
+
+
+def retryable(status: int) -> bool:
+    """429 (the gateway is full: max_pending) and every 5xx (a gateway or proxy that is restarting)."""
+    return status == 429 or status >= 500
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds a `Retry-After` header asks to wait: delta-seconds or an HTTP date (RFC 9110, 10.2.3); None when
+    absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class Announced:
+    """The newest policy a run announced (`POST /v1/policy`), shared by the run's clients (the trainer's and the
+    weight-push thread's): a gateway that restarted on its initial weights gets it again before a batch
+    resumes there. The lock keeps pushes in order, so a repeated push never lands after a newer one."""
+
+    path: Path | None = None
+    version: int = -1
+    partial: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class GatewayClient:
-    def __init__(self, url: str, *, token: str | SecretStr | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, *, token: str | SecretStr | None = None, timeout_s: float = 60.0,
+                 retry: RetryPolicy | None = None, announced: Announced | None = None) -> None:
         if isinstance(token, SecretStr):
             token = token.get_secret_value()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.retry = retry or RetryPolicy()
+        self.announced = announced or Announced()
+        self._rng = random.Random()  # jitter only: unseeded on purpose, so trainers never retry in step
+
+    @property
+    def url(self) -> str:
+        return str(self.http.base_url).rstrip("/")
 
     def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
-        try:
-            resp = self.http.request(method, path, **kw)
-        except httpx.HTTPError as err:
-            raise GatewayError(f"{method} {self.http.base_url}{path}: {err}") from err
-        if resp.status_code >= 400:
-            raise GatewayError(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
-        body: dict[str, Any] = resp.json()
-        return body
+        """One request, retried on transport errors, 429 and 5xx (RetryPolicy); a GatewayError of one line,
+        naming the gateway URL and the last error, once the retry budget is spent or on any other 4xx."""
+        first_failure: float | None = None
+        for retry in itertools.count():
+            try:
+                resp = self.http.request(method, path, **kw)
+            except httpx.TransportError as err:
+                error, asked = f"{type(err).__name__}: {err}", None
+            else:
+                if resp.status_code < 400:
+                    body: dict[str, Any] = resp.json()
+                    return body
+                error = f"HTTP {resp.status_code}: {resp.text[:500]}"
+                if not retryable(resp.status_code):
+                    raise GatewayError(_one_line(f"{method} {self.url}{path}: {error}"))
+                asked = retry_after_s(resp.headers.get("retry-after"))
+                if asked is not None:
+                    error = f"HTTP {resp.status_code} (Retry-After {asked:g} s): {resp.text[:500]}"
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            pause = asked if asked is not None else self.retry.delay(retry, self._rng)
+            if now + pause - first_failure > self.retry.budget_s:
+                raise GatewayError(_one_line(
+                    f"gateway {self.url} did not answer {method} {path} after {retry + 1} attempts in "
+                    f"{now - first_failure:.0f} s (retry budget {self.retry.budget_s:g} s, "
+                    f"rollout.retry_budget_s); last error: {error}"))
+            log.warning("%s %s%s: %s; retry %d in %.1f s", method, self.url, path, _one_line(error)[:300],
+                        retry + 1, pause)
+            time.sleep(pause)
+        raise AssertionError("unreachable")  # itertools.count() never ends
 
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/health")
@@ -94,22 +178,60 @@ class GatewayClient:
             body["min_policy_version"] = min_policy_version
         return body
 
-    def wait(self, batch_id: str, *, timeout_s: float, poll_s: float) -> list[Trajectory]:
+    def wait(self, batch_id: str, *, timeout_s: float, poll_s: float,
+             body: dict[str, Any] | None = None) -> list[Trajectory]:
+        """Poll `GET /v1/batches/{id}` until the batch is `done` (every trajectory, errored ones included);
+        GatewayError when it failed, or after `timeout_s`.
+
+        A `partial` batch (its gateway stopped, e.g. it was killed and restarted) is resumed when `body`, the
+        request it was submitted with, is given: the same idempotency key is submitted again, and the gateway
+        runs only the missing samples (docs/gateway.md, "API"). Without `body`, or after MAX_IDLE_RESUMES
+        resubmissions in a row that stored no new trajectory, a partial batch is a GatewayError."""
         deadline = time.monotonic() + timeout_s
+        resumed_at: int | None = None  # trajectories stored at the last resubmission
+        idle = 0
         while True:
-            body = self._json("GET", f"/v1/batches/{batch_id}")
-            status = str(body.get("status", "")).lower()
+            got = self._json("GET", f"/v1/batches/{batch_id}")
+            status = str(got.get("status", "")).lower()
             if status == DONE:
-                return [Trajectory.from_json(t) for t in body.get("trajectories") or []]
-            if status == PARTIAL and body.get("trajectories"):
-                log.warning("batch %s is partial (missing items %s): training on what it holds", batch_id,
-                            body.get("missing_items"))
-                return [Trajectory.from_json(t) for t in body["trajectories"]]
-            if status in (FAILED, PARTIAL):
-                raise GatewayError(_stopped(batch_id, status, body))
+                return [Trajectory.from_json(t) for t in got.get("trajectories") or []]
+            if status == PARTIAL and body is not None:
+                done = int((got.get("progress") or {}).get("done") or 0)
+                idle = idle + 1 if resumed_at is not None and done <= resumed_at else 0
+                if idle >= MAX_IDLE_RESUMES:
+                    raise GatewayError(f"{_stopped(batch_id, status, got)}; resubmitted {idle} times in a row "
+                                       "without a new trajectory")
+                resumed_at = done
+                self._resume(batch_id, body, got)
+            elif status in (FAILED, PARTIAL):
+                raise GatewayError(_stopped(batch_id, status, got))
             if time.monotonic() > deadline:
-                raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {body.get('progress')})")
+                raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {got.get('progress')})")
             time.sleep(poll_s)
+
+    def _resume(self, batch_id: str, body: dict[str, Any], got: dict[str, Any]) -> None:
+        progress = got.get("progress") or {}
+        log.warning("batch %s is partial (%s of %s trajectories stored; its gateway stopped): submitting its "
+                    "idempotency key %r again to run the missing samples", batch_id, progress.get("done"),
+                    progress.get("total"), body.get("idempotency_key"))
+        self.restore_policy()
+        again = self.submit_body(body)
+        if again != batch_id:
+            raise GatewayError(f"idempotency key {body.get('idempotency_key')!r} now names batch {again}, "
+                               f"not {batch_id}: is the gateway on another store?")
+
+    def restore_policy(self) -> None:
+        """Announce the newest policy of this run again when the gateway serves an older version: a restarted
+        gateway starts on its `--model` weights, and resumed samples must come from the run's policy."""
+        with self.announced.lock:
+            if self.announced.path is None:
+                return
+            served = self.health().get("policy_version")
+            if served is None or served >= self.announced.version:
+                return
+            log.warning("the gateway at %s serves policy version %s, this run announced %d: pushing it again",
+                        self.url, served, self.announced.version)
+            self._push_policy(self.announced.path, self.announced.version, self.announced.partial)
 
     def list_rollouts(self, *, run: str | None = None, data_source: str | None = None,
                       reward_min: float | None = None, limit: int | None = None,
@@ -134,7 +256,13 @@ class GatewayClient:
 
     def push_policy(self, path: Path, version: int, *, partial: bool = False) -> dict[str, Any]:
         """`POST /v1/policy`; answers once the gateway serves `version` (with `partial=false`, after the
-        trajectories running there finished)."""
+        trajectories running there finished). Recorded in `announced` (for `restore_policy`)."""
+        with self.announced.lock:
+            answer = self._push_policy(path, version, partial)
+            self.announced.path, self.announced.version, self.announced.partial = path, version, partial
+        return answer
+
+    def _push_policy(self, path: Path, version: int, partial: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"path": str(path), "version": version}
         if partial:
             body["partial"] = True
@@ -185,6 +313,10 @@ def _stopped(batch_id: str, status: str, body: dict[str, Any]) -> str:
             f"trajectories stored (missing items {body.get('missing_items')}){why}")
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _plain(value: Any) -> Any:
     """numpy / torch arrays and scalars as Python lists and numbers (json.dumps' `default`)."""
     if hasattr(value, "tolist"):
@@ -205,17 +337,30 @@ class GatewaySource:
         self.seed = seed
 
     def rollouts(self, items: list[QAItem], step: int, version: int) -> list[Trajectory]:
-        batch_id = self.client.submit(run=self.run, step=step, policy_version=version, items=items, cfg=self.cfg,
-                                      k=self.k, seed=self.seed * 1_000_003 + step)
-        trajs = self.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
-        bad = [t.id for t in trajs if t.error]
-        if bad:
-            log.warning("%d trajectories carry errors (kept with their recorded reward): %s", len(bad), bad[:5])
+        """One batch, submitted and waited for (resumed if its gateway restarts); errored trajectories are
+        left out (`trainable`)."""
+        body = self.client.rollout_body(run=self.run, step=step, policy_version=version, items=items, cfg=self.cfg,
+                                        k=self.k, seed=self.seed * 1_000_003 + step)
+        batch_id = self.client.submit_body(body)
+        trajs, _ = trainable(self.client.wait(batch_id, timeout_s=self.cfg.timeout_s,
+                                              poll_s=self.cfg.poll_interval_s, body=body), step)
         if not trajs:
-            raise GatewayError(f"batch {batch_id} returned no trajectories")
+            raise GatewayError(f"batch {batch_id} returned no trajectory without an error")
         return trajs
 
     def push_policy(self, path: Path | None, version: int) -> None:
         if path is None:
             raise ValueError("the gateway source needs the path of the saved weights")
         self.client.push_policy(path, version)
+
+
+def trainable(trajs: list[Trajectory], step: int) -> tuple[list[Trajectory], int]:
+    """(the trajectories without an error, how many had one). An errored trajectory (an engine or retriever
+    failure) never reaches the loss: its reward says nothing about the policy. It stays in the gateway's store,
+    where the viewer shows it."""
+    kept = [t for t in trajs if not t.error]
+    if len(kept) < len(trajs):
+        log.warning("step %d: %d of %d trajectories ended with an error and are left out of the update "
+                    "(stored at the gateway): %s", step, len(trajs) - len(kept), len(trajs),
+                    [t.id for t in trajs if t.error][:5])
+    return kept, len(trajs) - len(kept)

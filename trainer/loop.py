@@ -38,7 +38,7 @@ from sisrl.trainer.distributed import (
     wrap_model,
 )
 from sisrl.trainer.evaluate import evaluate, record_gateway
-from sisrl.trainer.gateway_client import GatewayClient, GatewayError, GatewaySource
+from sisrl.trainer.gateway_client import Announced, GatewayClient, GatewayError, GatewaySource, RetryPolicy
 from sisrl.trainer.metrics import MetricsWriter, rollout_metrics, staleness_metrics, table_header, table_row
 from sisrl.trainer.node import check_gateway
 from sisrl.trainer.pipeline import RolloutPipeline, Taken
@@ -83,7 +83,8 @@ def build_source(cfg: TrainConfig, model: torch.nn.Module, vocab_size: int) -> R
     if cfg.rollout.source == "synthetic":
         return SyntheticSource(unwrap(model), cfg.rollout, k=cfg.algorithm.logprobs_k, seed=cfg.seed,
                                vocab_size=vocab_size)
-    client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token)
+    client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token,
+                           retry=RetryPolicy(budget_s=cfg.rollout.retry_budget_s))
     return GatewaySource(client, cfg.rollout, run=run_name(Path(cfg.run_dir), cfg.seed), k=cfg.algorithm.logprobs_k,
                          seed=cfg.seed)
 
@@ -161,7 +162,7 @@ def setup(cfg: TrainConfig) -> Session:
         s.pipeline = RolloutPipeline.for_run(s.source, s.sampler, cfg.rollout, total_steps=cfg.total_steps,
                                              resumed=ckpt is not None)
         if cfg.rollout.mode == "async":
-            s.pusher = WeightPusher(cfg)
+            s.pusher = WeightPusher(cfg, s.source.client.announced)
     if ckpt is not None:
         state = restore(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, generator=generator)
         s.step, s.version = state.step, state.policy_version
@@ -256,6 +257,7 @@ def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
             s.pusher.wait()  # evaluate the version just trained
         metrics.update(_evaluate(cfg, s.source, s.step, s.version))
     metrics.update(rollout_metrics(trajs, t1 - t0))
+    metrics["rollout/errors"] = float(taken.errored)
     metrics.update({
         "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/sync_s": t3 - t2, "time/checkpoint_s": t4 - t3,
         "time/step_s": t4 - t0, "policy/version": float(s.version),
@@ -281,7 +283,7 @@ def _rollouts(ctx: DistContext, s: Session, cfg: TrainConfig) -> Taken:
             return taken
         raw = trajectories_to_bytes(taken.trajectories)
     trajs = trajectories_from_bytes(broadcast_bytes(raw, ctx))
-    return Taken(trajs, dropped=taken.dropped) if ctx.is_main else Taken(trajs)
+    return Taken(trajs, dropped=taken.dropped, errored=taken.errored) if ctx.is_main else Taken(trajs)
 
 
 def _check_partial(cfg: TrainConfig, client: GatewayClient) -> None:
@@ -356,8 +358,10 @@ class WeightPusher:
     wait while the gateway loads the weights (with `rollout.partial=false`, until its running trajectories end).
     A failed push is raised by the next `wait`."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token, timeout_s=cfg.rollout.timeout_s)
+    def __init__(self, cfg: TrainConfig, announced: Announced) -> None:
+        # `announced` is the trainer client's: pushes stay in order, and a restarted gateway gets the newest one
+        self.client = GatewayClient(cfg.rollout.gateway_url, token=cfg.rollout.api_token, timeout_s=cfg.rollout.timeout_s,
+                                    retry=RetryPolicy(budget_s=cfg.rollout.retry_budget_s), announced=announced)
         self.partial = cfg.rollout.partial
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

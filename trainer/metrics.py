@@ -32,7 +32,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 
 def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, float]:
-    """Reward, EM per data source, lengths, searches and throughput of one rollout batch."""
+    """Reward, EM per data source, lengths, searches and throughput of the trajectories a step trains on (a
+    rollout batch without its errored and out-of-bound trajectories)."""
     n = max(1, len(trajs))
     out: dict[str, float] = {"reward/mean": sum(t.reward for t in trajs) / n}
     out["reward/std"] = math.sqrt(sum((t.reward - out["reward/mean"]) ** 2 for t in trajs) / n)
@@ -49,7 +50,7 @@ def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, floa
     out["rollout/response_len"] = sum(len(t.response_ids) for t in trajs) / n
     out["rollout/policy_tokens"] = policy_tokens / n
     out["rollout/searches_per_traj"] = sum(_searches(t) for t in trajs) / n
-    out["rollout/errors"] = float(sum(1 for t in trajs if t.error))
+    out["rollout/trajectories"] = float(len(trajs))
     for reason, count in Counter(t.finish_reason or "unknown" for t in trajs).items():
         out[f"rollout/finish/{reason}"] = count / n
     out["perf/rollout_tokens_per_s"] = policy_tokens / max(rollout_s, 1e-9)

@@ -6,7 +6,8 @@ soon as the gateway serves version j - k (k = max_staleness; 0 in sync mode), wi
 tokens may be newer (partial rollouts). In async mode `fill` runs in the trainer's weight-push thread right after
 a push lands; a lock keeps the sampler, the batches in flight and the checkpoint's snapshot of both consistent. A trajectory that still carries an older token, or one newer than
 the trainer's version (a batch from before a crash, sampled by weights this run no longer has), is dropped and
-counted, never trained on.
+counted, never trained on; so is one that ended with an error. A batch whose gateway stopped (`partial`) is
+resumed by `GatewayClient.wait` with its stored body: same key, only the missing samples run.
 
 A checkpoint stores the bodies of the batches in flight (`state`); a resumed run submits them again with the
 same idempotency keys, so the gateway returns the same batches (or runs only their missing samples): nothing is
@@ -26,7 +27,7 @@ from typing import Any
 from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.config import RolloutConfig
 from sisrl.trainer.data import MixtureSampler
-from sisrl.trainer.gateway_client import GatewayError, GatewaySource
+from sisrl.trainer.gateway_client import GatewayError, GatewaySource, trainable
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Taken:
 
     trajectories: list[Trajectory]
     dropped: int = 0  # trajectories with a token outside [version - k, version]
+    errored: int = 0  # trajectories that ended with an error (never trained on)
     submitted_version: int = 0  # min_policy_version the batch was submitted with
 
 
@@ -95,21 +97,20 @@ class RolloutPipeline:
                 self._fill(version, upto=step)
             entry = self.inflight.pop(step)
         batch_id = entry["batch_id"]
-        trajs = self.source.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
+        trajs = self.source.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s,
+                                        body=entry["body"])
         if alone and self.ahead:
             # the batches `version` allows ahead, generated while the trainer updates (later, the push thread
             # fills after each push lands: the trainer's version may not be the gateway's yet)
             self.fill(version)
         if not trajs:
             raise GatewayError(f"batch {batch_id} returned no trajectories")
-        bad = [t.id for t in trajs if t.error]
-        if bad:
-            log.warning("%d trajectories carry errors (kept with their recorded reward): %s", len(bad), bad[:5])
-        kept = [t for t in trajs if within_bound(t, version, self.ahead)]
-        if len(kept) < len(trajs):
+        usable, errored = trainable(trajs, step)
+        kept = [t for t in usable if within_bound(t, version, self.ahead)]
+        if len(kept) < len(usable):
             log.warning("step %d: dropped %d of %d trajectories with a token outside policy versions [%d, %d]",
-                        step, len(trajs) - len(kept), len(trajs), version - self.ahead, version)
-        return Taken(kept, dropped=len(trajs) - len(kept),
+                        step, len(usable) - len(kept), len(trajs), version - self.ahead, version)
+        return Taken(kept, dropped=len(usable) - len(kept), errored=errored,
                      submitted_version=int(entry["body"].get("min_policy_version", version)))
 
     def snapshot(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -14,7 +14,7 @@ def record(**over: Any) -> dict[str, Any]:
         "id": "t0", "item_id": "q0", "group_id": "g0", "data_source": "nq", "prompt_ids": [5, 6],
         "response_ids": [7, 8, 9, 10], "loss_mask": [1, 1, 0, 1], "behaviour_logprobs": [-0.1, -0.2, 0.0, -0.3],
         "topk_ids": [[7, 1], [8, 1], [], [10, 1]], "topk_logprobs": [[-0.1, -2.0], [-0.2, -2.0], [], [-0.3, -2.0]],
-        "reward": 1.0,
+        "reward": 1.0, "policy_version": 0,
     }
     return {**base, **over}
 
@@ -26,6 +26,17 @@ def test_a_record_without_a_loss_mask_is_refused() -> None:
         Trajectory.from_json(raw)
     with pytest.raises(ValueError, match="no loss_mask"):
         Trajectory.from_json(record(loss_mask=None))
+
+
+@pytest.mark.parametrize("key", ["reward", "group_id", "policy_version", "id"])
+def test_a_record_without_a_required_field_is_refused_naming_it(key: str) -> None:
+    for bad in ({k: v for k, v in record().items() if k != key}, record(**{key: None})):
+        with pytest.raises(ValueError, match=rf"trajectory {bad.get('id')!r}: no {key} \(required: "):
+            Trajectory.from_json(bad)
+    if key in ("group_id", "id"):  # "" would merge such trajectories into one GRPO group
+        with pytest.raises(ValueError, match=rf": no {key} \("):
+            Trajectory.from_json(record(**{key: ""}))
+    assert Trajectory.from_json(record(reward=0)).reward == 0.0  # a zero reward is a reward
 
 
 def test_inserted_tokens_carry_mask_zero_and_policy_tokens_one() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from sisrl.common.cli import DefaultsHelp
 from sisrl.trainer import node
 from sisrl.trainer.config import (
+    TOKEN_ENV,
     AlgorithmConfig,
     ConfigError,
     RolloutConfig,
@@ -50,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a trainer checkpoint (RUN_DIR/checkpoints/step_N) or an HF directory, under the gateway's checkpoint root")
     e.add_argument("--data", action="append", required=True, help="question file (.jsonl or .parquet); repeatable")
     e.add_argument("--gateway-url", default=RolloutConfig().gateway_url, help="gateway base URL")
-    e.add_argument("--api-token", default=None, help="gateway bearer token")
+    e.add_argument("--api-token", default=None, help="gateway bearer token (visible in the process list: prefer "
+                   "$SISRL_GATEWAY_API_TOKEN, read when this is unset)")
     e.add_argument("--limit", type=int, default=None, help="at most this many questions per file")
     e.add_argument("--version", type=int, default=None, help="policy version to announce (default: the checkpoint's step)")
     e.add_argument("--temperature", type=float, default=None,
@@ -131,7 +134,10 @@ def _eval(args: argparse.Namespace) -> int:
         state = args.checkpoint / "trainer_state.json"
         version = json.loads(state.read_text())["policy_version"] if state.is_file() else 0
     items = [it for path in args.data for it in load_items(path, limit=args.limit)]
-    client = GatewayClient(args.gateway_url, token=args.api_token)
+    if args.api_token is not None:
+        print(f"sisrl-train eval: --api-token is visible in the process list; set {TOKEN_ENV} instead",
+              file=sys.stderr)
+    client = GatewayClient(args.gateway_url, token=args.api_token or os.environ.get(TOKEN_ENV) or None)
     note = gateway_note(settings.run_dir, client.health().get("rollout"))
     print(f"{settings.describe()}; {note}", file=sys.stderr)
     client.push_policy(hf_dir.resolve(), version)

@@ -8,6 +8,8 @@ Derived sizes (rollout batch, mini-batch size) are computed where they are used,
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +24,9 @@ from pydantic import (
     model_validator,
 )
 from sisrl.common.wire import GATEWAY_URL, MAX_LOGPROBS_K
+
+log = logging.getLogger(__name__)
+TOKEN_ENV = "SISRL_GATEWAY_API_TOKEN"  # the gateway's bearer token: the gateway reads it, and so does the trainer
 
 
 class ConfigError(ValueError):
@@ -85,7 +90,7 @@ class RolloutConfig(_Section):
     source: Literal["gateway", "synthetic"] = Field(default="gateway", description="'gateway' (HTTP rollouts) or 'synthetic' (in-process toy task for tests and bench)")
     gateway_url: str = Field(default=GATEWAY_URL, description="base URL of the rollout gateway")
     api_token: SecretStr | None = Field(default=None, description="bearer token for the gateway, if it requires one "
-                                        "(never written out: config.json and checkpoints show it as **********)")
+                                        "(never written out: config.json and checkpoints show it as **********); unset: $SISRL_GATEWAY_API_TOKEN")
     prompts_per_step: int = Field(default=4, ge=1, description="questions per rollout batch")
     samples_per_prompt: int = Field(default=4, ge=1, description="trajectories per question (the GRPO group size)")
     max_new_tokens: int = Field(default=128, ge=1, description="generated tokens per turn at most")
@@ -352,7 +357,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         tree = loaded or {}
     for assignment in overrides:
+        if assignment.split("=", 1)[0].strip() == "rollout.api_token":
+            log.warning("rollout.api_token given on the command line, where the process list shows it: set %s in "
+                        "the environment instead", TOKEN_ENV)
         _apply_override(tree, assignment)
+    rollout = tree.get("rollout")
+    if os.environ.get(TOKEN_ENV) and not (isinstance(rollout, dict) and rollout.get("api_token")):
+        tree.setdefault("rollout", {})["api_token"] = os.environ[TOKEN_ENV]  # the gateway's own token variable
     return config_from_dict(tree, str(path) if path else "<defaults>")
 
 

@@ -213,6 +213,8 @@ def _interrupt(*_: object) -> None:
 def _program(argv: list[str]) -> list[str]:
     """`argv` with its program taken from this interpreter's venv where it lies there (torchrun, sisrl-*, vllm):
     the launcher may run as `.venv/bin/sisrl-train` with the venv not on PATH."""
+    if "/" in argv[0]:  # a path already (vLLM's interpreter)
+        return argv
     local = Path(sys.executable).with_name(argv[0])
     return [str(local), *argv[1:]] if local.is_file() else argv
 

@@ -117,3 +117,15 @@ def test_shipped_configs_load(name: str) -> None:
 def test_cli_reports_a_bad_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["train", "--set", "rollout.source=synthetic", "--set", "algorithm.stalenes=3"]) == 2
     assert "algorithm.stalenes: unknown key" in capsys.readouterr().err
+
+
+def test_the_gateway_token_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("SISRL_GATEWAY_API_TOKEN", "t" * 20)
+    cfg = load_config(None, ["data.train=[{path: x.jsonl}]"])
+    assert cfg.rollout.api_token is not None and cfg.rollout.api_token.get_secret_value() == "t" * 20
+    assert "t" * 20 not in cfg.model_dump_json()  # never written out
+    with caplog.at_level("WARNING", logger="sisrl.trainer.config"):
+        cfg = load_config(None, ["data.train=[{path: x.jsonl}]", f"rollout.api_token={'u' * 20}"])
+    assert cfg.rollout.api_token is not None and cfg.rollout.api_token.get_secret_value() == "u" * 20  # given wins
+    assert "process list" in caplog.text and "SISRL_GATEWAY_API_TOKEN" in caplog.text

@@ -207,7 +207,10 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
         loss = loss - u.algo.entropy_coef * aggregate(entropy, mb.mask, agg, global_tokens, u.world)
     if u.ref_model is not None and u.algo.kl_coef > 0:
         with torch.no_grad():
-            ref_logits, _ = policy_logits(u.ref_model, padded, autocast=u.autocast, compact=u.compact_logits,
+            # the policy's layout, whatever the reference's own would be: a wrapped policy (FSDP2, DDP) falls back
+            # to the full layout while the unwrapped reference could go compact, and the two must line up
+            compact = u.compact_logits and mb is not padded
+            ref_logits, _ = policy_logits(u.ref_model, padded, autocast=u.autocast, compact=compact,
                                           shared_prefix=u.shared_prefix)
             ref_logp = gather_logprobs(ref_logits, mb.response_ids, u.temperature, u.chunk_size)
         kl = kl_penalty(logp, ref_logp, u.algo.kl_type)  # [b, T]

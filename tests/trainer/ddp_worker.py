@@ -6,6 +6,7 @@ writes OUT_DIR/{ddp,fsdp2}_CASE.safetensors (FSDP2 shards gathered to full tenso
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -28,6 +29,10 @@ CASES: dict[str, dict[str, dict[str, object]]] = {
     # entropy bonus
     "sis_seq_mean": {"algorithm": {"ratio": "sis", "behaviour": "recompute", "agg_mode": "seq-mean-token-mean",
                                    "entropy_coef": 0.01}},
+    # a KL penalty to a reference model with compact logits: a wrapped policy falls back to the full layout, and
+    # the (unwrapped) reference must follow it (the GPU recipe's KL 0.001 under FSDP2 crashed on this)
+    "is_kl_ref": {"algorithm": {"ratio": "is", "behaviour": "rollout", "kl_coef": 0.1},
+                  "model": {"compact_logits": True}},
 }
 
 
@@ -46,11 +51,12 @@ def one_update(case: str, trajs: list[Trajectory], strategy: str) -> dict[str, t
     cfg = case_config(case, strategy)
     ctx = init_distributed(cfg.distributed, "cpu")
     model, tok = load_policy(cfg.model, seed=0, device=ctx.device)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
     model = wrap_model(model, ctx, cfg.distributed.strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = build_scheduler(optimizer, cfg.optim, 1)
     u = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,
-                temperature=1.0, rank=ctx.rank, world=ctx.world)
+                temperature=1.0, rank=ctx.rank, world=ctx.world, ref_model=ref, compact_logits=cfg.model.compact_logits)
     b = collate(trajs, pad_id=int(tok.pad_token_id), k=cfg.algorithm.logprobs_k)
     train_on_batch(u, b, torch.Generator().manual_seed(0))
     inner = getattr(model, "module", model)

@@ -36,8 +36,11 @@ def _batch() -> list:
     out = []
     for i, t in enumerate(trajs):  # move q away from pi so ratios differ from 1, and vary rewards
         noise = (torch.rand(len(t.behaviour_logprobs), generator=gen) - 0.5).tolist()
+        # the middle tokens of every other row inserted by the environment (mask 0), as passages are: the
+        # compact layout then differs from the full one
+        mask = [0 if i % 2 and 0 < j < len(t.loss_mask) - 1 else m for j, m in enumerate(t.loss_mask)]
         out.append(t.__class__(**{**t.to_json(), "behaviour_logprobs": [q + n for q, n in zip(t.behaviour_logprobs, noise, strict=True)],
-                                  "reward": float(i % 3)}))
+                                  "reward": float(i % 3), "loss_mask": mask}))
     return out
 
 

@@ -236,7 +236,10 @@ def _as_param_like(value: Tensor, param: Tensor, device: torch.device) -> Tensor
     if mesh is not None:
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(value, mesh, param.placements)  # type: ignore[attr-defined]
+        # the global shape and stride given: FSDP2 shards an uneven dimension unevenly (a 151,669-row embedding on
+        # 2 ranks: 75,835 + 75,834), and from_local would otherwise assume every rank holds this rank's rows
+        return DTensor.from_local(value, mesh, param.placements, shape=param.shape,  # type: ignore[attr-defined]
+                                  stride=param.stride())
     return value
 
 

@@ -64,3 +64,14 @@ def test_ddp_and_fsdp2_update_equals_single_process(tmp_path: Path) -> None:
             dist = load_file(str(tmp_path / f"{strategy}_{case}.safetensors"))
             for name, value in single.items():
                 torch.testing.assert_close(dist[name], value, atol=2e-6, rtol=1e-4, msg=f"{strategy} {case}: {name}")
+
+
+def test_fsdp2_checkpoint_of_an_uneven_shard_restores_exactly(tmp_path: Path) -> None:
+    """A vocabulary that does not divide by the ranks (Qwen's 151,669 on 2 ranks did not) shards unevenly: the
+    restored AdamW state must keep each rank's own rows, and the next step must equal the uninterrupted one."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(WORKER.with_name("fsdp_ckpt_worker.py")), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float((tmp_path / "diff.txt").read_text()) == 0.0

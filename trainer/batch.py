@@ -7,7 +7,6 @@ predict it are one contiguous slice (no gather, no second [B, T, V] tensor).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -54,15 +53,6 @@ class Trajectory:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def trajectories_to_bytes(trajs: list[Trajectory]) -> bytes:
-    """JSON encoding used to broadcast a batch to other ranks (never pickle)."""
-    return json.dumps([t.to_json() for t in trajs]).encode()
-
-
-def trajectories_from_bytes(raw: bytes) -> list[Trajectory]:
-    return [Trajectory.from_json(o) for o in json.loads(raw.decode())]
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,13 @@ class GatewayClient:
                 raise GatewayError(f"batch {batch_id} not done after {timeout_s:.0f}s (progress {body.get('progress')})")
             time.sleep(poll_s)
 
+    def wait_arrow(self, batch_id: str, *, timeout_s: float, poll_s: float) -> list[Trajectory]:
+        """`wait`, reading the finished batch as Arrow IPC pages instead of one JSON document (the trainer's
+        path; trainer/arrow_batch.py)."""
+        from sisrl.trainer.arrow_batch import wait_arrow  # it imports this module
+
+        return wait_arrow(self, batch_id, timeout_s=timeout_s, poll_s=poll_s)
+
     def list_rollouts(self, *, run: str | None = None, data_source: str | None = None,
                       reward_min: float | None = None, limit: int | None = None,
                       page_size: int = 500) -> list[dict[str, Any]]:
@@ -207,7 +214,7 @@ class GatewaySource:
     def rollouts(self, items: list[QAItem], step: int, version: int) -> list[Trajectory]:
         batch_id = self.client.submit(run=self.run, step=step, policy_version=version, items=items, cfg=self.cfg,
                                       k=self.k, seed=self.seed * 1_000_003 + step)
-        trajs = self.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
+        trajs = self.client.wait_arrow(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
         bad = [t.id for t in trajs if t.error]
         if bad:
             log.warning("%d trajectories carry errors (kept with their recorded reward): %s", len(bad), bad[:5])

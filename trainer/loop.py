@@ -24,7 +24,8 @@ from typing import Protocol
 import numpy as np
 import torch
 from sisrl.common.atomic import sweep_temps
-from sisrl.trainer.batch import Trajectory, collate, trajectories_from_bytes, trajectories_to_bytes
+from sisrl.trainer.arrow_batch import trajectories_from_ipc, trajectories_to_ipc
+from sisrl.trainer.batch import Trajectory, collate
 from sisrl.trainer.checkpoint import read_latest, restore, save_checkpoint
 from sisrl.trainer.config import ConfigError, TrainConfig
 from sisrl.trainer.data import MixtureSampler, QAItem, load_items
@@ -279,8 +280,8 @@ def _rollouts(ctx: DistContext, s: Session, cfg: TrainConfig) -> Taken:
             taken = Taken(s.source.rollouts(items, s.step, s.version))
         if not ctx.enabled:
             return taken
-        raw = trajectories_to_bytes(taken.trajectories)
-    trajs = trajectories_from_bytes(broadcast_bytes(raw, ctx))
+        raw = trajectories_to_ipc(taken.trajectories)  # one binary broadcast (Arrow IPC), never pickle
+    trajs = trajectories_from_ipc(broadcast_bytes(raw, ctx))
     return Taken(trajs, dropped=taken.dropped) if ctx.is_main else Taken(trajs)
 
 

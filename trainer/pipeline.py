@@ -95,7 +95,7 @@ class RolloutPipeline:
                 self._fill(version, upto=step)
             entry = self.inflight.pop(step)
         batch_id = entry["batch_id"]
-        trajs = self.source.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
+        trajs = self.source.client.wait_arrow(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s)
         if alone and self.ahead:
             # the batches `version` allows ahead, generated while the trainer updates (later, the push thread
             # fills after each push lands: the trainer's version may not be the gateway's yet)

@@ -132,18 +132,15 @@ class _ListColumn:
 def trajectories_to_ipc(trajs: Sequence[Trajectory]) -> bytes:
     """One Arrow IPC stream of `trajs` (metadata: no batch, offset 0, every row); the form rank 0 broadcasts.
     Log-probs travel as float32, the precision the gateway records and `collate` trains with."""
-    for t in trajs:
-        if any(len(row) != len(t.topk_ids[0]) for row in t.topk_ids):
-            raise ValueError(f"trajectory {t.id}: top-K rows of unequal length; expected [T][K]")
-    ks = [len(t.topk_ids[0]) if t.topk_ids else 0 for t in trajs]
+    blocks = [_topk_block(t) for t in trajs]
     columns: dict[str, pa.Array] = {
         "prompt_ids": _lists([t.prompt_ids for t in trajs], np.int32, pa.int32()),
         "response_ids": _lists([t.response_ids for t in trajs], np.int32, pa.int32()),
         "loss_mask": _lists([t.loss_mask for t in trajs], np.uint8, pa.uint8()),
         "behaviour_logprobs": _lists([t.behaviour_logprobs for t in trajs], np.float32, pa.float32()),
-        "topk_k": pa.array(ks, pa.int32()),
-        "topk_ids": _lists([t.topk_ids for t in trajs], np.int32, pa.int32()),
-        "topk_logprobs": _lists([t.topk_logprobs for t in trajs], np.float32, pa.float32()),
+        "topk_k": pa.array([k for k, _, _ in blocks], pa.int32()),
+        "topk_ids": _lists([ids for _, ids, _ in blocks], np.int32, pa.int32()),
+        "topk_logprobs": _lists([lps for _, _, lps in blocks], np.float32, pa.float32()),
         "token_versions": _lists([t.token_versions for t in trajs], np.int32, pa.int32()),
         "policy_version": pa.array([t.policy_version for t in trajs], pa.int64()),
         "reward": pa.array([t.reward for t in trajs], pa.float64()),
@@ -157,12 +154,37 @@ def trajectories_to_ipc(trajs: Sequence[Trajectory]) -> bytes:
     return arrow_wire.to_stream(pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema))
 
 
+def _topk_block(t: Trajectory) -> tuple[int, np.ndarray, np.ndarray]:
+    """K and the [T, K] top-K arrays of `t`. A token the environment inserted may carry an empty row (nothing was
+    sampled there); it becomes K zeros, which `collate` never reads (mask 0). A policy token's row must hold K."""
+    if not t.topk_ids:
+        return 0, np.zeros(0, np.int32), np.zeros(0, np.float32)
+    try:  # the common case, a rectangular block: no per-token Python
+        ids, lps = np.asarray(t.topk_ids, np.int32), np.asarray(t.topk_logprobs, np.float32)
+        if ids.ndim == 2 and ids.shape == lps.shape and len(ids) == len(t.loss_mask):
+            return ids.shape[1], ids, lps
+    except ValueError:  # ragged rows
+        pass
+    if not (len(t.topk_ids) == len(t.topk_logprobs) == len(t.loss_mask)):
+        raise ValueError(f"trajectory {t.id}: {len(t.topk_ids)} top-K id rows, {len(t.topk_logprobs)} log-prob "
+                         f"rows, {len(t.loss_mask)} tokens")
+    k = max(len(row) for row in t.topk_ids)
+    rows_ids, rows_lps = list(t.topk_ids), list(t.topk_logprobs)
+    for i, (row, mask) in enumerate(zip(t.topk_ids, t.loss_mask, strict=True)):
+        if not row and not mask:
+            rows_ids[i], rows_lps[i] = [0] * k, [0.0] * k
+        elif len(row) != k or len(t.topk_logprobs[i]) != k:
+            raise ValueError(f"trajectory {t.id}: token {i} has a top-K row of {len(row)} ids and "
+                             f"{len(t.topk_logprobs[i])} log-probs, the trajectory's K is {k}")
+    return k, np.asarray(rows_ids, np.int32), np.asarray(rows_lps, np.float32)
+
+
 def trajectories_from_ipc(raw: bytes) -> list[Trajectory]:
     """The trajectories of `trajectories_to_ipc` bytes, checked as a gateway page is."""
     return page_trajectories(arrow_wire.read_page(raw, where="broadcast batch page offset=0"))
 
 
-def _lists(rows: Sequence[Sequence[Any] | None], dtype: type[np.generic], kind: pa.DataType) -> pa.ListArray:
+def _lists(rows: Sequence[Sequence[Any] | np.ndarray | None], dtype: type[np.generic], kind: pa.DataType) -> pa.ListArray:
     """A list column from per-row sequences (nested [T][K] rows flatten row-major); None rows are null."""
     arrays = [np.asarray(r if r is not None else [], dtype=dtype).reshape(-1) for r in rows]
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)

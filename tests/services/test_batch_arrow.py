@@ -21,13 +21,14 @@ from sisrl.services.schemas import RolloutCreate
 from sisrl.services.schemas import Trajectory as StoredTrajectory
 from sisrl.trainer.arrow_batch import decode_page, fetch_trajectories
 from sisrl.trainer.batch import Trajectory, collate
-from sisrl.trainer.gateway_client import GatewayError
-from sqlalchemy import event
+from sisrl.trainer.gateway_client import GatewayClient, GatewayError
+from sqlalchemy import event, update
 
 from tests.services.conftest import rollout_body
 
 BATCH = "batch-arrow"
 RUNNING = "batch-running"
+FAILED = "batch-failed"
 N = 10
 K = 4
 
@@ -61,12 +62,15 @@ def gateway(start_gateway: Callable[..., Any], tmp_path_factory: pytest.TempPath
              for i in range(N // 2)]
     request = RolloutCreate.model_validate(rollout_body(items, run="arrow", samples_per_item=2)).model_dump_json()
     with sessions() as s:
-        for batch_id, state in ((BATCH, "done"), (RUNNING, "running")):
+        for batch_id, state in ((BATCH, "done"), (RUNNING, "running"), (FAILED, "failed")):
             store.create_batch(session=s, batch_id=batch_id, run="arrow", step=0, idempotency_key=None,
                                request_hash="-", request_json=request, total=N)
             store.set_batch_status(session=s, batch_id=batch_id, status=state)
         for i in range(N):
             assert store.add_trajectory(session=s, trajectory=_trajectory(i, rng), sample_index=i % 2)
+        # t3 as a store from before token_versions holds it: both forms give policy_version at policy tokens
+        s.execute(update(store.TrajectoryRow).where(store.TrajectoryRow.id == "t3").values(token_versions=None))
+        s.commit()
     store.dispose(sessions)
     yield start_gateway("--store-only", db_url=db_url)
 
@@ -86,6 +90,7 @@ def test_arrow_and_json_give_the_same_tensors_bit_for_bit(gateway: Any) -> None:
     from_arrow = fetch_trajectories(gateway.client, BATCH, page_size=3)
     assert from_arrow == from_json  # every field, token versions, turns and errors included
     assert [t.token_versions for t in from_arrow] == [t.token_versions for t in from_json]
+    assert set(from_arrow[3].token_versions or []) == {-1, 3}  # the stored NULL, as `policy_version`
     a, b = collate(from_arrow, pad_id=0, k=K), collate(from_json, pad_id=0, k=K)
     for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",
                  "topk_logq", "rewards"):
@@ -119,6 +124,18 @@ def test_running_and_unknown_batches_are_refused(gateway: Any) -> None:
     assert gateway.client.get("/v1/batches/nope/trajectories.arrow").status_code == 404
     status_only = gateway.client.get(f"/v1/batches/{BATCH}", params={"trajectories": "false"}).json()
     assert status_only["status"] == "done" and status_only["trajectories"] is None
+
+
+def test_the_client_waits_then_reads_pages_and_reports_a_stopped_batch_as_before(gateway: Any) -> None:
+    client = GatewayClient(gateway.url)
+    try:
+        assert client.wait_arrow(BATCH, timeout_s=10, poll_s=0.05) == _json_trajectories(gateway)
+        with pytest.raises(GatewayError, match=f"batch {FAILED} failed"):
+            client.wait_arrow(FAILED, timeout_s=10, poll_s=0.05)
+        with pytest.raises(GatewayError, match=f"batch {RUNNING} not done after"):
+            client.wait_arrow(RUNNING, timeout_s=0.3, poll_s=0.05)
+    finally:
+        client.close()
 
 
 class _Tamper(httpx.HTTPTransport):

@@ -1,0 +1,61 @@
+"""The Arrow form rank 0 broadcasts (`trajectories_to_ipc` / `trajectories_from_ipc`): trajectories come back
+equal field for field and collate to the same tensors; bytes cut or altered are refused, never decoded."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+from sisrl.common import arrow_wire
+from sisrl.trainer.arrow_batch import trajectories_from_ipc, trajectories_to_ipc
+from sisrl.trainer.batch import Trajectory, collate
+
+
+def _traj(i: int, **over: object) -> Trajectory:
+    """3 response tokens, the middle one inserted; K = 2; log-probs exact in float32 (multiples of 1/8)."""
+    base: dict[str, object] = dict(
+        id=f"t{i}", item_id=f"q{i}", group_id=f"g{i // 2}", data_source="nq", prompt_ids=[1, 2, 3 + i],
+        response_ids=[7, 8 + i, 9], loss_mask=[1, 0, 1], behaviour_logprobs=[-0.125 * (i + 1), 0.0, -2.5],
+        topk_ids=[[7, 3], [0, 0], [9, 4]], topk_logprobs=[[-0.125 * (i + 1), -3.0], [0.0, 0.0], [-2.5, -2.75]],
+        reward=0.5 * i, reward_parts={"em": float(i % 2), "f1": 0.25}, turns=[{"query": "x", "doc_ids": ["1"],
+                                                                                "scores": [0.5]}],
+        finish_reason="answer", answer=None if i else "a", policy_version=4, token_versions=[4, -1, 5],
+        error="boom" if i == 2 else None)
+    base.update(over)
+    return Trajectory(**base)  # type: ignore[arg-type]
+
+
+def test_a_broadcast_round_trip_keeps_every_field_and_tensor() -> None:
+    trajs = [_traj(0), _traj(1, token_versions=None), _traj(2), _traj(3, response_ids=[], loss_mask=[],
+                                                                      behaviour_logprobs=[], topk_ids=[],
+                                                                      topk_logprobs=[], token_versions=[])]
+    back = trajectories_from_ipc(trajectories_to_ipc(trajs))
+    assert back == trajs
+    a, b = collate(back, pad_id=0, k=2), collate(trajs, pad_id=0, k=2)
+    for name in ("input_ids", "mask", "logq", "topk_ids", "topk_logq", "rewards"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_an_empty_row_at_an_inserted_token_travels_as_zeros_a_short_policy_row_is_refused() -> None:
+    ragged = _traj(0, topk_ids=[[7, 3], [], [9, 4]], topk_logprobs=[[-0.125, -3.0], [], [-2.5, -2.75]])
+    back = trajectories_from_ipc(trajectories_to_ipc([ragged]))[0]
+    assert back.topk_ids == [[7, 3], [0, 0], [9, 4]] and back.topk_logprobs[1] == [0.0, 0.0]
+    assert torch.equal(collate([back], pad_id=0, k=2).topk_logq, collate([ragged], pad_id=0, k=2).topk_logq)
+    short = _traj(0, topk_ids=[[7, 3], [0, 0], [9]], topk_logprobs=[[-0.125, -3.0], [0.0, 0.0], [-2.5]])
+    with pytest.raises(ValueError, match="trajectory t0: token 2 has a top-K row of 1 ids"):
+        trajectories_to_ipc([short])
+
+
+def test_cut_or_relabelled_broadcast_bytes_are_refused() -> None:
+    raw = trajectories_to_ipc([_traj(0), _traj(1)])
+    with pytest.raises(arrow_wire.PageError, match="broadcast batch page offset=0: not a complete Arrow IPC"):
+        trajectories_from_ipc(raw[: len(raw) - 64])
+    batch = pa.ipc.open_stream(raw).read_next_batch()
+    lying = batch.schema.with_metadata({**batch.schema.metadata, arrow_wire.META_ROWS: b"3"})
+    with pytest.raises(arrow_wire.PageError, match="header says 3 trajectories, the record batch holds 2"):
+        trajectories_from_ipc(arrow_wire.to_stream(pa.RecordBatch.from_arrays(batch.columns, schema=lying)))
+    retyped = pa.RecordBatch.from_arrays(
+        [c.cast(pa.list_(pa.float64())) if n == "behaviour_logprobs" else c
+         for n, c in zip(batch.schema.names, batch.columns, strict=True)], names=batch.schema.names)
+    with pytest.raises(arrow_wire.PageError, match="schema differs"):
+        trajectories_from_ipc(arrow_wire.to_stream(retyped))

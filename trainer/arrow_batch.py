@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pyarrow as pa
+import torch
 from sisrl.common import arrow_wire
-from sisrl.trainer.batch import Trajectory
+from sisrl.trainer.batch import RolloutBatch, Trajectory
 from sisrl.trainer.gateway_client import DONE, GatewayClient, GatewayError
 
 DEFAULT_PAGE_SIZE = 64  # trajectories a page; ~22 MB at 2k tokens and K = 20
@@ -124,14 +125,91 @@ class _ListColumn:
             return part.tolist()
         return part.reshape(-1, k).tolist() if k else []
 
+    def flat(self) -> np.ndarray:
+        """Every row's values, in order (the values buffer between the first and last offset)."""
+        return self.values[self.offsets[0]:self.offsets[-1]]
+
     def row_or_none(self, i: int) -> list[int] | None:
         return None if self.valid is not None and not self.valid[i] else self.row(i)
+
+
+# ---- record batch -> padded tensors ----------------------------------------------------------------------------
+def collate_arrow(page: pa.RecordBatch, *, pad_id: int, k: int) -> RolloutBatch:
+    """`batch.collate` straight from Arrow columns, vectorised: every token is placed by one numpy scatter per
+    field instead of a Python loop over tokens. Same tensors, bit for bit (tests/services/test_batch_arrow.py),
+    and the same refusals: per-row lengths that disagree (`arrow_wire.check_page`), a policy token with fewer
+    than `k` recorded top-K entries."""
+    b = page.num_rows
+    if b == 0:
+        raise ValueError("collate needs at least one trajectory")
+    arrow_wire.check_page(page, where="collate")
+    prompt, resp = _ListColumn(page.column("prompt_ids")), _ListColumn(page.column("response_ids"))
+    n_p, n_r = np.diff(prompt.offsets), np.diff(resp.offsets)
+    p, t_len = int(n_p.max()), max(int(n_r.max()), 1)
+    # [tokens] row and column of each prompt token (left-padded) and response token (starting at column P)
+    p_row, p_pos = _row_pos(n_p)
+    r_row, r_pos = _row_pos(n_r)
+    input_ids = np.full((b, p + t_len), pad_id, dtype=np.int64)
+    input_ids[p_row, p - n_p[p_row] + p_pos] = prompt.flat()
+    input_ids[r_row, p + r_pos] = resp.flat()
+    attn = np.zeros((b, p + t_len), dtype=np.int64)
+    attn[p_row, p - n_p[p_row] + p_pos] = 1
+    attn[r_row, p + r_pos] = 1
+    response_ids = np.full((b, t_len), pad_id, dtype=np.int64)
+    response_ids[r_row, r_pos] = resp.flat()
+    logq = np.zeros((b, t_len), dtype=np.float32)
+    logq[r_row, r_pos] = _ListColumn(page.column("behaviour_logprobs")).flat()
+    policy = _ListColumn(page.column("loss_mask")).flat() != 0  # [tokens]
+    mask = np.zeros((b, t_len), dtype=np.float32)
+    mask[r_row[policy], r_pos[policy]] = 1.0
+    topk_ids, topk_logq = _topk_tensors(page, r_row, r_pos, policy, b, t_len, k)
+    position_ids = (torch.from_numpy(attn).cumsum(dim=1) - 1).clamp(min=0)
+    return RolloutBatch(
+        torch.from_numpy(input_ids), torch.from_numpy(attn), position_ids, torch.from_numpy(response_ids),
+        torch.from_numpy(mask), torch.from_numpy(logq), torch.from_numpy(topk_ids), torch.from_numpy(topk_logq),
+        torch.from_numpy(page.column("reward").to_numpy().astype(np.float32)),
+        tuple(page.column("group_id").to_pylist()))
+
+
+def _row_pos(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ragged rows of `lengths`: the row of each flat element and its index within the row."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths
+    return rows, np.arange(int(lengths.sum())) - starts[rows]
+
+
+def _topk_tensors(page: pa.RecordBatch, r_row: np.ndarray, r_pos: np.ndarray, policy: np.ndarray, b: int,
+                  t_len: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T, k] top-K ids (int64) and log-probs (float32): the first k of each policy token's recorded row,
+    zeros at inserted tokens and padding."""
+    k_row = page.column("topk_k").to_numpy().astype(np.int64)
+    short = policy & (k_row[r_row] < k)
+    if short.any():
+        i = int(short.nonzero()[0][0])
+        row = int(r_row[i])
+        raise ValueError(f"trajectory {page.column('id')[row].as_py()}: policy token {int(r_pos[i])} has a top-K "
+                         f"row of {int(k_row[row])} entries, fewer than K={k} (algorithm.logprobs_k); ask the "
+                         f"gateway for sampling.logprobs_k >= {k}")
+    rows, cols = r_row[policy], r_pos[policy]
+    topk_ids = np.zeros((b, t_len, k), dtype=np.int64)
+    topk_logq = np.zeros((b, t_len, k), dtype=np.float32)
+    for out, name in ((topk_ids, "topk_ids"), (topk_logq, "topk_logprobs")):
+        col = _ListColumn(page.column(name))
+        # [policy tokens, k] index of each kept entry in the values buffer: row start + token * K_row + j
+        start = col.offsets[rows].astype(np.int64) + cols * k_row[rows]
+        out[rows, cols] = col.values[start[:, None] + np.arange(k)[None, :]]
+    return topk_ids, topk_logq
 
 
 # ---- rank 0 -> other ranks -------------------------------------------------------------------------------------
 def trajectories_to_ipc(trajs: Sequence[Trajectory]) -> bytes:
     """One Arrow IPC stream of `trajs` (metadata: no batch, offset 0, every row); the form rank 0 broadcasts.
     Log-probs travel as float32, the precision the gateway records and `collate` trains with."""
+    return arrow_wire.to_stream(trajectories_to_batch(trajs))
+
+
+def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
+    """`trajs` as one record batch of `arrow_wire.SCHEMA` (see `trajectories_to_ipc`)."""
     blocks = [_topk_block(t) for t in trajs]
     columns: dict[str, pa.Array] = {
         "prompt_ids": _lists([t.prompt_ids for t in trajs], np.int32, pa.int32()),
@@ -151,7 +229,7 @@ def trajectories_to_ipc(trajs: Sequence[Trajectory]) -> bytes:
         columns[name] = pa.array([getattr(t, name) for t in trajs], pa.string())
     meta = arrow_wire.metadata(batch_id="", offset=0, rows=len(trajs), total=len(trajs))
     schema = arrow_wire.SCHEMA.with_metadata(meta)
-    return arrow_wire.to_stream(pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema))
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema)
 
 
 def _topk_block(t: Trajectory) -> tuple[int, np.ndarray, np.ndarray]:

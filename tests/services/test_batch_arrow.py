@@ -19,7 +19,7 @@ from sisrl.common import arrow_wire
 from sisrl.services import store
 from sisrl.services.schemas import RolloutCreate
 from sisrl.services.schemas import Trajectory as StoredTrajectory
-from sisrl.trainer.arrow_batch import decode_page, fetch_trajectories
+from sisrl.trainer.arrow_batch import collate_arrow, decode_page, fetch_trajectories, trajectories_to_batch
 from sisrl.trainer.batch import Trajectory, collate
 from sisrl.trainer.gateway_client import GatewayClient, GatewayError
 from sqlalchemy import event, update
@@ -91,11 +91,18 @@ def test_arrow_and_json_give_the_same_tensors_bit_for_bit(gateway: Any) -> None:
     assert from_arrow == from_json  # every field, token versions, turns and errors included
     assert [t.token_versions for t in from_arrow] == [t.token_versions for t in from_json]
     assert set(from_arrow[3].token_versions or []) == {-1, 3}  # the stored NULL, as `policy_version`
-    a, b = collate(from_arrow, pad_id=0, k=K), collate(from_json, pad_id=0, k=K)
-    for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",
-                 "topk_logq", "rewards"):
-        assert torch.equal(_bits(getattr(a, name)), _bits(getattr(b, name))), name
-    assert a.group_ids == b.group_ids
+    whole = gateway.client.get(f"/v1/batches/{BATCH}/trajectories.arrow", params={"limit": N})
+    page = decode_page(whole.content, whole.headers, batch_id=BATCH, offset=0)
+    b = collate(from_json, pad_id=0, k=K)
+    # the trainer's collate of either form, and the vectorised collate of the page itself (k < K: truncation)
+    for a in (collate(from_arrow, pad_id=0, k=K), collate_arrow(page, pad_id=0, k=K),
+              collate_arrow(trajectories_to_batch(from_json), pad_id=0, k=K)):
+        for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",
+                     "topk_logq", "rewards"):
+            assert torch.equal(_bits(getattr(a, name)), _bits(getattr(b, name))), name
+        assert a.group_ids == b.group_ids
+    short_k = collate_arrow(page, pad_id=0, k=K - 1)
+    assert torch.equal(short_k.topk_logq, collate(from_json, pad_id=0, k=K - 1).topk_logq)
     assert float(a.mask.sum()) > 50 and float(a.logq.abs().sum()) > 1.0  # the batch holds real, non-zero tokens
 
 

@@ -3,11 +3,17 @@ equal field for field and collate to the same tensors; bytes cut or altered are 
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 from sisrl.common import arrow_wire
-from sisrl.trainer.arrow_batch import trajectories_from_ipc, trajectories_to_ipc
+from sisrl.trainer.arrow_batch import (
+    collate_arrow,
+    trajectories_from_ipc,
+    trajectories_to_batch,
+    trajectories_to_ipc,
+)
 from sisrl.trainer.batch import Trajectory, collate
 
 
@@ -59,3 +65,33 @@ def test_cut_or_relabelled_broadcast_bytes_are_refused() -> None:
          for n, c in zip(batch.schema.names, batch.columns, strict=True)], names=batch.schema.names)
     with pytest.raises(arrow_wire.PageError, match="schema differs"):
         trajectories_from_ipc(arrow_wire.to_stream(retyped))
+
+
+FIELDS = ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids", "topk_logq",
+          "rewards")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_vectorised_collate_equals_the_loop_bit_for_bit(seed: int) -> None:
+    """Random lengths (an empty response included), masks, K_row = 5 truncated to k = 3, pad id 7."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(7):
+        n_r = 0 if i == 3 else int(rng.integers(1, 30))
+        mask = (rng.random(n_r) < 0.6).astype(int).tolist()
+        trajs.append(_traj(i, prompt_ids=rng.integers(0, 1000, int(rng.integers(1, 12))).tolist(),
+                           response_ids=rng.integers(0, 1000, n_r).tolist(), loss_mask=mask,
+                           behaviour_logprobs=(-rng.exponential(1.0, n_r)).astype(np.float32).tolist(),
+                           topk_ids=rng.integers(0, 1000, (n_r, 5)).tolist(),
+                           topk_logprobs=(-rng.exponential(2.0, (n_r, 5))).astype(np.float32).tolist(),
+                           token_versions=[4] * n_r, reward=float(rng.normal())))
+    a, b = collate_arrow(trajectories_to_batch(trajs), pad_id=7, k=3), collate(trajs, pad_id=7, k=3)
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert a.group_ids == b.group_ids
+
+
+def test_the_vectorised_collate_refuses_a_policy_token_short_of_k() -> None:
+    with pytest.raises(ValueError, match=r"trajectory t0: policy token 0 has a top-K row of 2 entries, fewer than K=3"):
+        collate_arrow(trajectories_to_batch([_traj(0)]), pad_id=0, k=3)

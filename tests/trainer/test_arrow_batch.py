@@ -3,11 +3,18 @@ equal field for field and collate to the same tensors; bytes cut or altered are 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 from sisrl.common import arrow_wire
+from sisrl.common.procs import free_port
 from sisrl.trainer.arrow_batch import (
     collate_arrow,
     trajectories_from_ipc,
@@ -95,3 +102,21 @@ def test_the_vectorised_collate_equals_the_loop_bit_for_bit(seed: int) -> None:
 def test_the_vectorised_collate_refuses_a_policy_token_short_of_k() -> None:
     with pytest.raises(ValueError, match=r"trajectory t0: policy token 0 has a top-K row of 2 entries, fewer than K=3"):
         collate_arrow(trajectories_to_batch([_traj(0)]), pad_id=0, k=3)
+
+
+def test_every_rank_gets_rank_0s_batch_through_the_loop(tmp_path: Path) -> None:
+    """`loop._rollouts` under torchrun, 2 gloo ranks: the Arrow IPC broadcast gives each rank rank 0's batch."""
+    trajs = [_traj(0), _traj(1, token_versions=None), _traj(2), _traj(3, topk_ids=[[7, 3], [], [9, 4]],
+                                                                      topk_logprobs=[[-0.5, -3.0], [], [-2.5, -2.75]])]
+    (tmp_path / "batch.json").write_text(json.dumps([t.to_json() for t in trajs]))
+    worker = Path(__file__).with_name("broadcast_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(worker), str(tmp_path / "batch.json"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = trajs[:3] + [_traj(3, topk_ids=[[7, 3], [0, 0], [9, 4]], topk_logprobs=[[-0.5, -3.0], [0.0, 0.0],
+                                                                                        [-2.5, -2.75]])]
+    for rank in (0, 1):
+        got = [Trajectory.from_json(t) for t in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+        assert got == expected, rank

@@ -194,9 +194,11 @@ def report(args: argparse.Namespace, tokens: int, res: dict[str, dict[str, Any]]
                  "loopback HTTP to the padded tensors: fetch and parse, the broadcast bytes encoded and decoded "
                  "once, collate; each path in a fresh process against a fresh gateway. Bytes are response bodies.",
         summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}): Arrow pages reach the "
-                f"same tensors {ratio:.1f}x faster than JSON, with {res['json']['wire_bytes'] / res['arrow']['wire_bytes']:.1f}x "
-                f"fewer bytes on the wire and {res['json']['peak_rss_mb'] / res['arrow']['peak_rss_mb']:.1f}x less "
-                "peak trainer memory.",
+                f"same tensors {ratio:.1f}x faster than JSON, with "
+                f"{res['json']['wire_bytes'] / res['arrow']['wire_bytes']:.1f}x fewer bytes on the wire and "
+                f"{res['json']['gateway_peak_rss_mb'] / res['arrow']['gateway_peak_rss_mb']:.1f}x less gateway "
+                f"memory; the trainer's peak ({res['arrow']['peak_rss_mb']:.0f} MB against "
+                f"{res['json']['peak_rss_mb']:.0f} MB) is the batch held as Trajectory lists on both paths.",
         figures={key: res["arrow"][key] for key in keys},
         baseline={"what": "the JSON path (GET /v1/batches/{id}, JSON broadcast, batch.collate), same run",
                   "figures": {key: res["json"][key] for key in keys}},

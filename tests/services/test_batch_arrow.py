@@ -16,10 +16,16 @@ import pyarrow as pa
 import pytest
 import torch
 from sisrl.common import arrow_wire
-from sisrl.services import store
+from sisrl.services import arrow_pages, store
 from sisrl.services.schemas import RolloutCreate
 from sisrl.services.schemas import Trajectory as StoredTrajectory
-from sisrl.trainer.arrow_batch import collate_arrow, decode_page, fetch_trajectories, trajectories_to_batch
+from sisrl.trainer.arrow_batch import (
+    collate_arrow,
+    decode_page,
+    fetch_trajectories,
+    page_trajectories,
+    trajectories_to_batch,
+)
 from sisrl.trainer.batch import Trajectory, collate
 from sisrl.trainer.gateway_client import GatewayClient, GatewayError
 from sqlalchemy import event, update
@@ -226,3 +232,27 @@ def test_the_listing_reads_no_token_blobs(gateway: Any) -> None:
         assert blob not in selects[0], blob
     listed = gateway.client.get("/v1/rollouts", params={"run": "arrow"}).raise_for_status().json()
     assert [x["id"] for x in listed["data"]] == [f"t{i}" for i in range(N)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_page_of_either_store_holds_what_the_json_form_does(backend: str, tmp_path: Any,
+                                                              request: pytest.FixtureRequest) -> None:
+    """The page query and the blob decoding on SQLite and on a real PostgreSQL server (bytea), mid-batch page."""
+    url = f"sqlite:///{tmp_path / 'r.db'}" if backend == "sqlite" else str(request.getfixturevalue("pg_url"))
+    sessions = store.open_db(url)
+    rng = np.random.default_rng(3)
+    try:
+        with sessions() as s:
+            store.create_batch(session=s, batch_id=BATCH, run="arrow", step=0, idempotency_key=None,
+                               request_hash="-", request_json="{}", total=6)
+            for i in range(6):
+                assert store.add_trajectory(session=s, trajectory=_trajectory(i, rng), sample_index=i % 2)
+            rows = store.batch_page(session=s, batch_id=BATCH, offset=2, limit=3)
+            page = arrow_pages.page_batch(rows, batch_id=BATCH, offset=2, total=store.count_batch(session=s,
+                                                                                                   batch_id=BATCH))
+            stored = [Trajectory.from_json(store.to_trajectory(r).model_dump(mode="json"))
+                      for _, r in store.batch_trajectories(session=s, batch_id=BATCH)]
+    finally:
+        store.dispose(sessions)
+    assert page_trajectories(arrow_wire.read_page(arrow_wire.to_stream(page), where="p")) == stored[2:5]
+    assert (page.schema.metadata or {})[arrow_wire.META_TOTAL] == b"6"

@@ -38,9 +38,9 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine, Row, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, load_only, mapped_column, sessionmaker
 
 
 class Base(DeclarativeBase):
@@ -368,6 +368,29 @@ def batch_trajectories(*, session: Session, batch_id: str, after_seq: int = 0) -
     return [(row.seq, row) for row in rows]
 
 
+# What a page of `GET /v1/batches/{id}/trajectories.arrow` reads (services/arrow_pages.py): the token blobs as
+# stored, and none of the columns the trainer does not read (question, gold answers, timings).
+PAGE_COLUMNS = (
+    TrajectoryRow.id, TrajectoryRow.item_id, TrajectoryRow.group_id, TrajectoryRow.data_source,
+    TrajectoryRow.prompt_ids, TrajectoryRow.response_ids, TrajectoryRow.loss_mask, TrajectoryRow.behaviour_logprobs,
+    TrajectoryRow.topk_k, TrajectoryRow.topk_ids, TrajectoryRow.topk_logprobs, TrajectoryRow.token_versions,
+    TrajectoryRow.policy_version, TrajectoryRow.reward, TrajectoryRow.em, TrajectoryRow.f1, TrajectoryRow.format,
+    TrajectoryRow.turns, TrajectoryRow.finish_reason, TrajectoryRow.answer, TrajectoryRow.error,
+)
+
+
+def count_batch(*, session: Session, batch_id: str) -> int:
+    """Trajectories stored for a batch."""
+    return int(session.scalar(select(func.count()).where(TrajectoryRow.batch_id == batch_id)) or 0)
+
+
+def batch_page(*, session: Session, batch_id: str, offset: int, limit: int) -> Sequence[Row[Any]]:
+    """Trajectories `offset` .. `offset + limit - 1` of a batch in insertion order, `PAGE_COLUMNS` only."""
+    query = (select(*PAGE_COLUMNS).where(TrajectoryRow.batch_id == batch_id).order_by(TrajectoryRow.seq)
+             .offset(offset).limit(limit))
+    return session.execute(query).all()
+
+
 def get_trajectory(*, session: Session, trajectory_id: str) -> TrajectoryRow | None:
     return session.scalars(select(TrajectoryRow).where(TrajectoryRow.id == trajectory_id)).first()
 
@@ -377,8 +400,10 @@ def list_trajectories(
     data_source: str | None = None, reward_min: float | None = None, reward_max: float | None = None,
     finish_reason: str | None = None, searched: bool | None = None, after_seq: int = 0, limit: int = 100,
 ) -> tuple[list[TrajectoryRow], int | None]:
-    """One page of trajectories in insertion order, and the cursor of the next page (None on the last)."""
-    query = select(TrajectoryRow).where(TrajectoryRow.seq > after_seq)
+    """One page of trajectories in insertion order, and the cursor of the next page (None on the last). Only the
+    columns of a summary (`to_summary`) are read: the token blobs, most of a row's bytes, stay in the store
+    (reading one of them from a returned row loads it then, row by row)."""
+    query = select(TrajectoryRow).options(load_only(*_SUMMARY_COLUMNS)).where(TrajectoryRow.seq > after_seq)
     col = TrajectoryRow
     if run is not None:
         query = query.where(col.run == run)
@@ -400,6 +425,15 @@ def list_trajectories(
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1].seq
     return rows, None
+
+
+_SUMMARY_COLUMNS = (
+    TrajectoryRow.seq, TrajectoryRow.id, TrajectoryRow.batch_id, TrajectoryRow.item_id, TrajectoryRow.group_id,
+    TrajectoryRow.run, TrajectoryRow.step, TrajectoryRow.data_source, TrajectoryRow.finish_reason,
+    TrajectoryRow.answer, TrajectoryRow.reward, TrajectoryRow.em, TrajectoryRow.f1, TrajectoryRow.format,
+    TrajectoryRow.num_searches, TrajectoryRow.response_len, TrajectoryRow.policy_version,
+    TrajectoryRow.policy_version_max, TrajectoryRow.error,
+)
 
 
 def run_stats(*, session: Session, run: str) -> list[StepStats]:

@@ -7,7 +7,6 @@ predict it are one contiguous slice (no gather, no second [B, T, V] tensor).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -65,15 +64,6 @@ class Trajectory:
 REQUIRED = ("loss_mask", "id", "group_id", "reward", "policy_version", "prompt_ids", "response_ids",
             "behaviour_logprobs", "topk_ids", "topk_logprobs")
 _NON_EMPTY = ("id", "group_id")  # an empty string is missing too
-
-
-def trajectories_to_bytes(trajs: list[Trajectory]) -> bytes:
-    """JSON encoding used to broadcast a batch to other ranks (never pickle)."""
-    return json.dumps([t.to_json() for t in trajs]).encode()
-
-
-def trajectories_from_bytes(raw: bytes) -> list[Trajectory]:
-    return [Trajectory.from_json(o) for o in json.loads(raw.decode())]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """torch.distributed plumbing for torchrun: process group, DDP / FSDP2 wrapping, broadcast of the batch.
 
-Rank 0 alone talks to the gateway; it broadcasts the trajectories as JSON bytes (never pickle) and every rank
-builds the same padded batch, then trains on its rows of each mini-batch (trainer/update.py).
+Rank 0 alone talks to the gateway; it broadcasts the trajectories as Arrow IPC bytes (trainer/arrow_batch.py;
+never pickle) and every rank builds the same padded batch, then trains on its rows of each mini-batch (trainer/update.py).
 """
 
 from __future__ import annotations

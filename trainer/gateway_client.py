@@ -233,6 +233,14 @@ class GatewayClient:
                         self.url, served, self.announced.version)
             self._push_policy(self.announced.path, self.announced.version, self.announced.partial)
 
+    def wait_arrow(self, batch_id: str, *, timeout_s: float, poll_s: float,
+                   body: dict[str, Any] | None = None) -> list[Trajectory]:
+        """`wait`, reading the finished batch as Arrow IPC pages instead of one JSON document (the trainer's
+        path; trainer/arrow_batch.py); a partial batch is resumed as `wait` resumes it when `body` is given."""
+        from sisrl.trainer.arrow_batch import wait_arrow  # it imports this module
+
+        return wait_arrow(self, batch_id, timeout_s=timeout_s, poll_s=poll_s, body=body)
+
     def list_rollouts(self, *, run: str | None = None, data_source: str | None = None,
                       reward_min: float | None = None, limit: int | None = None,
                       page_size: int = 500) -> list[dict[str, Any]]:
@@ -342,8 +350,8 @@ class GatewaySource:
         body = self.client.rollout_body(run=self.run, step=step, policy_version=version, items=items, cfg=self.cfg,
                                         k=self.k, seed=self.seed * 1_000_003 + step)
         batch_id = self.client.submit_body(body)
-        trajs, _ = trainable(self.client.wait(batch_id, timeout_s=self.cfg.timeout_s,
-                                              poll_s=self.cfg.poll_interval_s, body=body), step)
+        trajs, _ = trainable(self.client.wait_arrow(batch_id, timeout_s=self.cfg.timeout_s,
+                                                    poll_s=self.cfg.poll_interval_s, body=body), step)
         if not trajs:
             raise GatewayError(f"batch {batch_id} returned no trajectory without an error")
         return trajs

@@ -24,7 +24,13 @@ from typing import Protocol
 import numpy as np
 import torch
 from sisrl.common.atomic import sweep_temps
-from sisrl.trainer.batch import Trajectory, collate, trajectories_from_bytes, trajectories_to_bytes
+from sisrl.trainer.arrow_batch import (
+    collate_arrow,
+    trajectories_from_ipc,
+    trajectories_to_batch,
+    trajectories_to_ipc,
+)
+from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.checkpoint import read_latest, restore, save_checkpoint
 from sisrl.trainer.config import ConfigError, TrainConfig
 from sisrl.trainer.data import MixtureSampler, QAItem, load_items
@@ -229,7 +235,9 @@ def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
     metrics: dict[str, float] = {}
     train_tokens = 0.0
     if trajs:
-        b = collate(trajs, pad_id=int(s.tokenizer.pad_token_id), k=cfg.algorithm.logprobs_k).to(s.ctx.device)
+        # batch.collate's tensors, placed by numpy scatters instead of a Python loop over tokens
+        b = collate_arrow(trajectories_to_batch(trajs), pad_id=int(s.tokenizer.pad_token_id),
+                          k=cfg.algorithm.logprobs_k).to(s.ctx.device)
         train_tokens = float(b.mask.sum())
         metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator, records), s.ctx)
         if records and cfg.sis_records and isinstance(s.source, GatewaySource):
@@ -281,8 +289,8 @@ def _rollouts(ctx: DistContext, s: Session, cfg: TrainConfig) -> Taken:
             taken = Taken(s.source.rollouts(items, s.step, s.version))
         if not ctx.enabled:
             return taken
-        raw = trajectories_to_bytes(taken.trajectories)
-    trajs = trajectories_from_bytes(broadcast_bytes(raw, ctx))
+        raw = trajectories_to_ipc(taken.trajectories)  # one binary broadcast (Arrow IPC), never pickle
+    trajs = trajectories_from_ipc(broadcast_bytes(raw, ctx))
     return Taken(trajs, dropped=taken.dropped, errored=taken.errored) if ctx.is_main else Taken(trajs)
 
 

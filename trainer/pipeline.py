@@ -97,8 +97,8 @@ class RolloutPipeline:
                 self._fill(version, upto=step)
             entry = self.inflight.pop(step)
         batch_id = entry["batch_id"]
-        trajs = self.source.client.wait(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s,
-                                        body=entry["body"])
+        trajs = self.source.client.wait_arrow(batch_id, timeout_s=self.cfg.timeout_s, poll_s=self.cfg.poll_interval_s,
+                                              body=entry["body"])
         if alone and self.ahead:
             # the batches `version` allows ahead, generated while the trainer updates (later, the push thread
             # fills after each push lands: the trainer's version may not be the gateway's yet)

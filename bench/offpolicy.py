@@ -284,7 +284,7 @@ def evaluate(client: GatewayClient, cfg: TrainConfig, items: list[QAItem], run: 
     eval_cfg = cfg.rollout.model_copy(update={"samples_per_prompt": 1, "temperature": 0.0})
     health = client.health()
     version = int(health.get("policy_version", 0))
-    trajs: list[Trajectory] = client.wait(
+    trajs: list[Trajectory] = client.wait_arrow(
         client.submit(run=f"{run}-eval-{NONCE}", step=version, policy_version=version, items=items, cfg=eval_cfg, k=1,
                       seed=0), timeout_s=3600, poll_s=0.5)
     em = [t.reward_parts.get("em", 0.0) for t in trajs]

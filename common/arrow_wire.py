@@ -67,9 +67,10 @@ def metadata(*, batch_id: str, offset: int, rows: int, total: int) -> dict[bytes
 
 
 def to_stream(batch: pa.RecordBatch) -> bytes:
-    """One IPC stream holding `batch` (its schema carries the metadata)."""
+    """One IPC stream holding `batch` (its schema carries the metadata), its buffers zstd-compressed (the IPC
+    format's own buffer compression: any Arrow reader opens it; token ids and top-K ids shrink most)."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
         writer.write_batch(batch)
     return sink.getvalue().to_pybytes()
 

@@ -96,7 +96,7 @@ def record_teacher(policy: str, data: dict[str, Path], retriever: Service, workd
         rollout = cfg.rollout.model_copy(update={"samples_per_prompt": 1})
         items = load_items(data["train"])
         batch = client.submit(run=TEACHER_RUN, step=0, policy_version=0, items=items, cfg=rollout, k=1, seed=cfg.seed)
-        trajs = client.wait(batch, timeout_s=cfg.rollout.timeout_s, poll_s=0.2)
+        trajs = client.wait_arrow(batch, timeout_s=cfg.rollout.timeout_s, poll_s=0.2)
         client.close()
     finally:
         teacher.stop()

@@ -185,4 +185,4 @@ def evaluate(client: GatewayClient, items: list[QAItem], *, run: str, step: int,
     body = client.rollout_body(run=f"{run}-eval", step=step, policy_version=version, items=items, cfg=eval_cfg, k=k,
                                seed=seed)
     batch_id = client.submit_body(body)  # with its body, `wait` resumes the batch if the gateway restarts
-    return em_by_source(client.wait(batch_id, timeout_s=cfg.timeout_s, poll_s=cfg.poll_interval_s, body=body))
+    return em_by_source(client.wait_arrow(batch_id, timeout_s=cfg.timeout_s, poll_s=cfg.poll_interval_s, body=body))

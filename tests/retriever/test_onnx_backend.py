@@ -116,6 +116,8 @@ def test_which_backend_auto_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     # Queries of the default model where bf16 is not native (simulated flags): int8 products, which kept its recall;
     # its passages (a build), an explicit float32 and other models stay float32.
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert choose_backend(EncoderConfig(device="cpu")) == "onnx"  # no VNNI: int8 products are slow, float32 ONNX
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx_vnni"}))
     assert choose_backend(EncoderConfig(device="cpu")) == "torch-int8"
     assert choose_backend(EncoderConfig(device="cpu"), corpus_bytes=500_000) == "onnx"
     assert choose_backend(EncoderConfig(device="cpu", dtype="float32")) == "onnx"

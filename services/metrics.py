@@ -44,11 +44,15 @@ class GatewayMetrics:
 
     def watch_engines(self, engine: Any) -> None:
         """Per-server metrics when the engine is a pool of servers (or a scripted engine over one)."""
+        from sisrl.services.engines.local import LocalEngine
         from sisrl.services.engines.pool import EnginePool
 
         pool = engine if isinstance(engine, EnginePool) else getattr(engine, "base", None)
         if isinstance(pool, EnginePool):
             self.registry.register(_PoolCollector(pool))
+        local = engine if isinstance(engine, LocalEngine) else getattr(engine, "base", None)
+        if isinstance(local, LocalEngine):
+            self.registry.register(_LocalCollector(local))
 
     def record_retriever(self, outcome: str, queries: float) -> None:
         self.retriever_requests.labels(outcome).inc()
@@ -58,6 +62,30 @@ class GatewayMetrics:
 
 def _busy_reader(clock: BusyClock, component: str) -> Callable[[], float]:
     return lambda: clock.busy_s.get(component, 0.0)
+
+
+class _LocalCollector(Collector):
+    """`sisrl_gateway_local_*_total`: the in-process engine's counters (`EngineStats`), read at scrape time. The
+    share of prompt tokens not prefilled again is (prefix_reused + shared_prefix) / prompt tokens."""
+
+    COUNTERS = {
+        "requests": "generation requests",
+        "generated_tokens": "tokens sampled",
+        "prompt_tokens": "prompt tokens asked for (prefilled, reused or shared)",
+        "prefix_reused_tokens": "prompt tokens taken from the cache of finished generations (next agent turns)",
+        "shared_prefix_tokens": "prompt tokens not prefilled because rows admitted together share them",
+        "prefix_hits": "requests that continued a cached generation",
+        "forward_passes": "model calls (prefill + decode)",
+        "prefill_passes": "prefill calls",
+    }
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.engine.stats
+        for name, doc in self.COUNTERS.items():
+            yield CounterMetricFamily(f"sisrl_gateway_local_{name}", doc, value=float(getattr(stats, name)))
 
 
 class _PoolCollector(Collector):

@@ -44,6 +44,7 @@ class EngineStats:
     prefix_hits: int = 0  # requests that continued a cached generation
     prefix_reused_tokens: int = 0  # prompt tokens those requests did not prefill again
     shared_prefix_tokens: int = 0  # prompt tokens not prefilled because rows admitted together share them
+    prompt_tokens: int = 0  # prompt tokens asked for (prefilled + reused + shared)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class LocalEngine:
         return EngineStats(
             s.requests, s.generated_tokens, self._batch.forward_passes, s.prefill_passes, s.max_batch_size,
             self.prefix_cache.hits, self.prefix_cache.reused_tokens, self._batch.shared_prefix_tokens,
+            s.prompt_tokens,
         )
 
     @property
@@ -172,6 +174,7 @@ class LocalEngine:
         )
         self._pending.append(slot)
         self._stats.requests += 1
+        self._stats.prompt_tokens += len(slot.prompt_ids)
         self._kick()
         return await slot.future
 

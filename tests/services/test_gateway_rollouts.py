@@ -25,9 +25,18 @@ def test_token_invariants_on_real_rollouts(local_gateway: Any, tiny_policy_dir: 
     body = make_body(items, run="invariants", samples_per_item=2, max_turns=2,
                      sampling={"max_new_tokens": 16, "temperature": TEMPERATURE, "top_p": 1.0, "logprobs_k": K,
                                "seed": 11})
+    before = _local_counters(local_gateway)
     batch_id = local_gateway.client.post("/v1/rollouts", json=body).raise_for_status().json()["batch_id"]
     batch = local_gateway.wait_batch(batch_id)
     assert batch["status"] == "done" and len(batch["trajectories"]) == 4
+    after = _local_counters(local_gateway)
+    done = {k: after[k] - before.get(k, 0.0) for k in after}
+    generations = sum(1 + sum(a == 0 and b == 1 for a, b in zip(t["loss_mask"], t["loss_mask"][1:], strict=False))
+                      for t in batch["trajectories"])
+    assert done["requests"] == generations  # one engine request per turn
+    assert done["generated_tokens"] == sum(sum(t["loss_mask"]) for t in batch["trajectories"])
+    assert done["prompt_tokens"] >= sum(len(t["prompt_ids"]) for t in batch["trajectories"])
+    assert done["prefix_reused_tokens"] + done["shared_prefix_tokens"] <= done["prompt_tokens"]
 
     protocol = SearchR1Protocol(load_tokenizer())
     model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir, dtype=torch.float32).eval()
@@ -69,6 +78,16 @@ def test_token_invariants_on_real_rollouts(local_gateway: Any, tiny_policy_dir: 
             rank = int((row > row[tok]).sum().item()) + 1
             assert (tok in traj["topk_ids"][j]) == (rank <= K)
             assert set(traj["topk_ids"][j]) == set(torch.topk(row, K).indices.tolist())
+
+
+def _local_counters(gateway: Any) -> dict[str, float]:
+    """The `sisrl_gateway_local_*_total` counters of the gateway's in-process engine."""
+    out = {}
+    for line in gateway.client.get("/metrics").text.splitlines():
+        if line.startswith("sisrl_gateway_local_") and "_total " in line:
+            name, value = line.split(" ")
+            out[name.removeprefix("sisrl_gateway_local_").removesuffix("_total")] = float(value)
+    return out
 
 
 def test_bearer_token(local_gateway: Any, gateway_token: str) -> None:

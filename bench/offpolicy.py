@@ -581,6 +581,10 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
     return " ".join([s1, s2, s3.rstrip(". ") + "."]), figures, baseline
 
 
+def cells_lr(rows: list[dict[str, Any]]) -> str:
+    return "/".join(f"{lr:g}" for lr in sorted({r["lr"] for r in rows}))
+
+
 def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str) -> None:
     entries = summarise(rows)
     cols, trows = table(entries)
@@ -600,8 +604,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str
         summary=summary, figures={**figures, "warm start test EM": warm["test"]},
         baseline={"what": "plain IS, same cell, seeds and warm start", "figures": baseline},
         table={"columns": cols, "rows": trows}, command=command_line(),
-        notes=f"{title_note}; {args.steps} RL steps of {args.prompts} x {args.samples}; lr from --find-regime "
-              f"(dev split); warm start EM dev {warm['dev']:.3f}, test {warm['test']:.3f}, transfer "
+        notes=f"{title_note}; {args.steps} RL steps of {args.prompts} x {args.samples}; lr {cells_lr(rows)} "
+              f"from {getattr(args, 'lr_source', '--find-regime (dev split)')}; warm start EM dev "
+              f"{warm['dev']:.3f}, test {warm['test']:.3f}, transfer "
               f"{warm['transfer']:.3f}; greedy evaluation by a {eval_dtype(args)} engine (every run and the warm "
               f"start alike); every run's row beside this record (.runs.jsonl)", results_dir=results_dir)
     # the runs behind the table, one JSON line each, beside the record: the workdir does not outlive the machine
@@ -619,6 +624,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     regime = args.workdir / "regime.json"
     lr = args.lr if args.lr is not None else (json.loads(regime.read_text())["lr"] if regime.is_file() else 3e-5)
+    args.lr_source = ("--lr, as chosen from the --find-regime records (dev split)" if args.lr is not None
+                      else "--find-regime's choice (dev split)" if regime.is_file() else "the default, no regime found")
     if args.quick:
         # the comparison that matters first, first: a cut run still has it
         cells = [Cell("is", n=8, lr=lr), Cell("sis", n=8, lr=lr), Cell("is", n=1, lr=lr), Cell("none", n=8, lr=lr)]

@@ -16,25 +16,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from sisrl.trainer.batch import Trajectory, collate
+from sisrl.trainer.batch import RolloutBatch, Trajectory, collate
 from sisrl.trainer.config import DistributedConfig, ModelConfig
 from sisrl.trainer.distributed import init_distributed, shutdown, wrap_model, wrap_reference
 from sisrl.trainer.policy import load_policy, policy_logits
 from sisrl.trainer.sis import gather_logprobs
+from transformers import PreTrainedModel
 
 
-def logp_and_grads(model: torch.nn.Module, batch: object, shared: bool, shapes: list[list[list[int]]]
+def logp_and_grads(model: PreTrainedModel, batch: RolloutBatch, shared: bool, shapes: list[list[list[int]]]
                    ) -> dict[str, torch.Tensor]:
     """Log-probs of the policy tokens and the gradient of their negated sum, every [.., V] step in between the
     trainer's own; `shapes` receives [input, output] of each lm_head call."""
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, args, out: shapes.append([list(args[0].shape), list(out.shape)]))
-    logits, view = policy_logits(model, batch, compact=True, shared_prefix=shared)  # type: ignore[arg-type]
+    logits, view = policy_logits(model, batch, compact=True, shared_prefix=shared)
     hook.remove()
     logp = gather_logprobs(logits, view.response_ids)
     (-(logp * view.mask).sum()).backward()
     out = {"logp": logp[view.mask > 0].detach()}
     for name, p in model.named_parameters():
+        assert p.grad is not None, name
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective on every rank
         out[f"grad.{name}"] = grad.detach().clone().contiguous()
     return out
@@ -49,7 +51,7 @@ if __name__ == "__main__":
     for shared in (False, True):
         model, _ = load_policy(ModelConfig(path="tiny"), seed=0, device=ctx.device)
         ref = copy.deepcopy(model).eval().requires_grad_(False)
-        model = wrap_model(model, ctx, "fsdp2")
+        wrap_model(model, ctx, "fsdp2")  # in place
         shapes: list[list[list[int]]] = []
         result = logp_and_grads(model, batch, shared, shapes)
         name = "shared" if shared else "full"

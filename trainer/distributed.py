@@ -57,19 +57,46 @@ def init_distributed(cfg: DistributedConfig, device_pref: str) -> DistContext:
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, strategy: str) -> nn.Module:
-    """DDP, or FSDP2 `fully_shard` on every decoder layer and then the root; unchanged for one process."""
+    """DDP, or FSDP2 `fully_shard` on every decoder layer and then the root; unchanged for one process.
+
+    The root unit holds what is left: the embeddings, the final norm and the lm_head (one weight when they are
+    tied, so they must share a unit). Its parameters are gathered by the root module's forward hook, which is why
+    `policy.policy_logits` always calls the whole model and never the decoder or the head alone."""
     if not ctx.enabled or strategy == "none":
         return model
     if strategy == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    _fully_shard(model, reshard_root=False)
+    return model
+
+
+def wrap_reference(model: nn.Module, ctx: DistContext, strategy: str) -> nn.Module:
+    """The frozen KL reference (eval mode, no grads), laid out like the policy: sharded by FSDP2 the same way, so a
+    rank holds 1/world of it rather than a full fp32 copy; unchanged otherwise (DDP keeps a full policy per rank
+    anyway, and DDP needs parameters that train).
+
+    Sharding, rather than computing its log-probs once per batch before the mini-batch loop (verl's way): each row
+    lands in exactly one mini-batch, so the per-micro-batch forward already runs the reference once per row, and
+    a one-pass precompute would save no compute while still needing the whole reference on every rank."""
+    model.eval().requires_grad_(False)
+    if ctx.enabled and strategy == "fsdp2":
+        # The root unit reshards after forward too: with no backward to come, the default (keep the root's
+        # parameters gathered until the backward) would keep the whole embedding and lm_head on every rank.
+        _fully_shard(model, reshard_root=True)
+    return model
+
+
+def _fully_shard(model: nn.Module, *, reshard_root: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if isinstance(layers, nn.ModuleList) else []:
         fully_shard(layer)
-    fully_shard(model)
-    return model
+    if reshard_root:
+        fully_shard(model, reshard_after_forward=True)
+    else:
+        fully_shard(model)
 
 
 def broadcast_bytes(data: bytes | None, ctx: DistContext) -> bytes:

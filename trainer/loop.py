@@ -42,6 +42,7 @@ from sisrl.trainer.distributed import (
     mean_over_ranks,
     shutdown,
     wrap_model,
+    wrap_reference,
 )
 from sisrl.trainer.evaluate import evaluate, record_gateway
 from sisrl.trainer.gateway_client import Announced, GatewayClient, GatewayError, GatewaySource, RetryPolicy
@@ -143,8 +144,9 @@ def setup(cfg: TrainConfig) -> Session:
     seed_everything(cfg.seed)  # the same on every rank: identical initial weights
     run_dir = Path(cfg.run_dir)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed, device=ctx.device)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+    ref_model = copy.deepcopy(model) if cfg.algorithm.kl_coef > 0 else None  # only with a KL penalty
     model = wrap_model(model, ctx, cfg.distributed.strategy)
+    ref_model = None if ref_model is None else wrap_reference(ref_model, ctx, cfg.distributed.strategy)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.total_steps * cfg.algorithm.staleness)
     generator = torch.Generator(device=ctx.device).manual_seed(cfg.seed * 7919 + ctx.rank)

@@ -107,27 +107,51 @@ def policy_logits(model: nn.Module, batch: RolloutBatch, *, autocast: bool = Fal
     tokens (mask 1; in a search trajectory ~1 in 5, the rest are retrieved passages) are kept, moved to the
     left of each row: logits [B, T', V] with T' the most policy tokens in a row, and `batch.compact()`. The
     lm_head and every [.., V] pass after it (log-softmax, top-K, entropy) then run on T' instead of T
-    positions. Falls back to the full layout for wrapped models (DDP, FSDP2) and heads that are not a plain
-    projection of the decoder output.
+    positions; no [B, T, V] tensor is ever formed.
 
-    `shared_prefix` (compact only): the leading prompt tokens all rows have in common run once (`prefix_hidden`).
+    The model's own forward runs (`logits_to_keep=T + 1`) with a pre-hook on its output head that keeps, of the
+    [B, T + 1, H] hidden states it receives, the T' policy positions (`_head_input_at`). Running the whole
+    forward rather than decoder and head apart is what lets a wrapper work: FSDP2 gathers the root unit's
+    parameters (embeddings, final norm, lm_head) in the root module's forward hook, which a direct call to the
+    decoder or the head would bypass; DDP prepares its gradient reduction in its forward. Whatever the forward
+    does to the logits after the head (soft-capping, scaling) is elementwise and applies as before.
+
+    `shared_prefix` (compact only): the leading prompt tokens all rows have in common run once (`prefix_inputs`).
     """
-    split = _decoder_and_head(model) if compact else None
-    if split is None:
+    head = _output_head(model) if compact else None
+    if head is None:
         return response_logits(model, batch, autocast=autocast), batch
-    decoder, head = split
     view = batch.compact()
     assert view.positions is not None
-    t = batch.response_len
+    inputs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                              "position_ids": batch.position_ids, "use_cache": False}
     with autocast_context(autocast, batch.input_ids.device):
-        shared = common_prefix_length(batch) if shared_prefix and not _checkpointing(decoder) else 0
+        shared = common_prefix_length(batch) if shared_prefix and _can_share_prefix(model) else 0
         if shared >= MIN_SHARED_PREFIX:
-            hidden = prefix_hidden(decoder, batch, shared)  # [B, T, H]
-        else:
-            hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             position_ids=batch.position_ids, use_cache=False).last_hidden_state[:, -t - 1:-1]
-        picked = hidden.gather(1, view.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, T', H]
-        return head(picked), view
+            inputs = prefix_inputs(model, batch, shared)
+        with _head_input_at(head, view.positions):
+            logits = model(**inputs, logits_to_keep=batch.response_len + 1).logits  # [B, T', V]
+    if logits.shape[:2] != view.positions.shape:
+        raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward did not call its output head on the kept "
+                           f"positions: logits {tuple(logits.shape)}, positions {tuple(view.positions.shape)}")
+    return logits, view
+
+
+@contextlib.contextmanager
+def _head_input_at(head: nn.Module, positions: Tensor) -> Iterator[None]:
+    """While open, `head` projects only `positions` ([B, T'] response columns) of the hidden states it is given:
+    the last T + 1 positions [B, T + 1, H], of which column c predicts response token c + 1, so the last one
+    goes and [B, T', H] stay."""
+
+    def pick(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0][:, :-1]  # [B, T, H]
+        return (hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), *args[1:])
+
+    handle = head.register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # Shorter common prefixes are not worth a second forward call.
@@ -156,9 +180,10 @@ def common_prefix_length(batch: RolloutBatch) -> int:
     return int(same.long().cumprod(dim=0).sum())
 
 
-def prefix_hidden(decoder: nn.Module, batch: RolloutBatch, shared: int) -> Tensor:
-    """`decoder(batch).last_hidden_state[:, -T - 1:-1]` ([B, T, H]) with the first `shared` prompt tokens, common to
-    every row (`common_prefix_length`), run once.
+def prefix_inputs(model: nn.Module, batch: RolloutBatch, shared: int) -> dict[str, Any]:
+    """Run the first `shared` prompt tokens, common to every row (`common_prefix_length`), once; return the forward
+    inputs of the rest of the batch with their keys/values as its cache. `model(**inputs, logits_to_keep=T + 1)`
+    then gives the full forward's last T + 1 logits.
 
     The prefix runs as one row; its keys/values, expanded to B rows, are the cache for the rest: the last R + T
     columns of the batch (R = the longest prompt remainder), in which the columns a row's prefix already covers are
@@ -173,20 +198,24 @@ def prefix_hidden(decoder: nn.Module, batch: RolloutBatch, shared: int) -> Tenso
     first = int(width - lengths[0])
     device = batch.input_ids.device
     ids = batch.input_ids[:1, first:first + shared]  # [1, shared]
-    kw = _cache_keyword(decoder)
-    out = decoder(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  position_ids=torch.arange(shared, device=device).unsqueeze(0), use_cache=True)
+    kw = _cache_keyword(unwrap(model))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                position_ids=torch.arange(shared, device=device).unsqueeze(0), use_cache=True, logits_to_keep=1)
+    # The prefix's one logit row [1, 1, V] joins the rest's input with weight 0 (`anchor`): a gradient (of zeros)
+    # then reaches every layer's prefix output, whose FSDP2 pre-backward hook gathers that layer's weights again
+    # before the backward of its prefix keys/values runs. Without it the last layer's prefix output, which feeds
+    # only this unused logit, gets no gradient, its hook never fires, and its keys/values' backward (reached only
+    # through the cache, after the layer has resharded) finds the weights freed.
+    anchor = out.logits.sum() * 0.0
     cache = getattr(out, kw)
     layers = [(layer.keys.expand(batch.size, -1, -1, -1), layer.values.expand(batch.size, -1, -1, -1))
               for layer in cache.layers]
     cols = torch.arange(start, batch.input_ids.shape[1], device=device)  # [R + T]
     mask = batch.attention_mask[:, start:] * (cols.unsqueeze(0) >= (width - rest).unsqueeze(1))  # [B, R + T]
     full_mask = torch.cat([torch.ones(batch.size, shared, dtype=mask.dtype, device=device), mask], dim=1)
-    out = decoder(input_ids=batch.input_ids[:, start:], attention_mask=full_mask,
-                  position_ids=batch.position_ids[:, start:], use_cache=True,
-                  **{kw: DynamicCache(ddp_cache_data=layers)})
-    t = batch.response_len
-    return out.last_hidden_state[:, -t - 1:-1]
+    layers[0] = (layers[0][0] + anchor, layers[0][1])
+    return {"input_ids": batch.input_ids[:, start:], "attention_mask": full_mask,
+            "position_ids": batch.position_ids[:, start:], "use_cache": True, kw: DynamicCache(ddp_cache_data=layers)}
 
 
 def _cache_keyword(decoder: nn.Module) -> str:
@@ -194,23 +223,24 @@ def _cache_keyword(decoder: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
-def _checkpointing(decoder: nn.Module) -> bool:
-    """Gradient checkpointing turns the cache off in training, so the prefix could not be reused."""
-    return bool(getattr(decoder, "gradient_checkpointing", False)) and decoder.training
+def _can_share_prefix(model: nn.Module) -> bool:
+    """Whether the prefix may run as a forward of its own. Not under DDP: a second forward before the backward
+    trips its reducer ("Expected to have finished reduction in the prior iteration"). Not with gradient
+    checkpointing in training: it turns the cache off, so the prefix's keys/values could not be reused."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return False
+    inner = unwrap(model)
+    return not (inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()))
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """(decoder, lm_head) of a plain causal LM whose logits are exactly head(decoder(x)); None otherwise
-    (a DDP/FSDP wrapper, logit soft-capping or scaling), and the caller then runs the whole model."""
-    if not isinstance(model, PreTrainedModel) or any(hasattr(p, "full_tensor") for p in model.parameters()):
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The output head (lm_head) of a transformers causal LM, plain or under DDP / FSDP2, whose forward takes
+    `logits_to_keep`; None for anything else, and the caller then keeps every position."""
+    inner = unwrap(model)
+    if not isinstance(inner, PreTrainedModel) or "logits_to_keep" not in inspect.signature(inner.forward).parameters:
         return None
-    cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1.0):
-        return None
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    if decoder is None or head is None or decoder is model:
-        return None
-    return decoder, head
+    head = inner.get_output_embeddings()
+    return head if isinstance(head, nn.Module) else None
 
 
 def freeze_lower_layers(model: PreTrainedModel, trainable: int) -> None:

@@ -8,7 +8,7 @@ Shapes: B batch, T response time steps, V vocabulary, K behaviour top-K. No I/O,
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from sisrl.common.tensors import masked_mean
@@ -21,21 +21,51 @@ def gather_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk
     logits: [B, T, V]; ids: [B, T] or [B, T, K] -> [B, T] or [B, T, K], float32.
     Naive equivalent: `torch.log_softmax(logits / temperature, -1).gather(-1, ids)`; here only the gathered entries
     and the [B, T] logsumexp are formed (logit - logsumexp), chunked over time when `chunk_size` is given.
+    For the backward only the logits themselves and the [B, T] logsumexp are kept (`_GatherLogprobs`): autograd
+    through the chunks would keep each chunk's float32 copy (bf16 logits, or any temperature but 1), that is a
+    whole [B, T, V] float32 tensor by the end of the loop.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     squeeze = ids.dim() == logits.dim() - 1
     idx = ids.unsqueeze(-1) if squeeze else ids
     step = chunk_size or logits.shape[1]
-    out = []
-    for s in range(0, logits.shape[1], step):
-        chunk = logits[:, s : s + step].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature  # the sampler's processed distribution (vLLM processed_logprobs)
-        lse = torch.logsumexp(chunk, dim=-1, keepdim=True)  # [B, t, 1]
-        out.append(chunk.gather(-1, idx[:, s : s + step]) - lse)
-    res = torch.cat(out, dim=1)
+    res = _GatherLogprobs.apply(logits, idx, temperature, step)
     return res.squeeze(-1) if squeeze else res
+
+
+class _GatherLogprobs(torch.autograd.Function):
+    """`gather_logprobs` with a backward that recomputes softmax chunk by chunk (no [B, T, V] float32 kept).
+
+    out_j = x_{i_j} / tau - logsumexp(x / tau), so d out_j / d x_v = (1[v = i_j] - p_v) / tau, and the gradient
+    of the logits is (scatter_add(g) - p * sum_j g_j) / tau, p = softmax(x / tau), per chunk of positions."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, idx: Tensor, temperature: float, step: int) -> Tensor:
+        out, lse = [], []
+        for s in range(0, logits.shape[1], step):
+            chunk = logits[:, s : s + step].float()
+            if temperature != 1.0:
+                chunk = chunk / temperature  # the sampler's processed distribution (vLLM processed_logprobs)
+            lse.append(torch.logsumexp(chunk, dim=-1, keepdim=True))  # [B, t, 1]
+            out.append(chunk.gather(-1, idx[:, s : s + step]) - lse[-1])
+        ctx.save_for_backward(logits, idx, torch.cat(lse, dim=1))
+        ctx.temperature, ctx.step = temperature, step
+        return torch.cat(out, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        logits, idx, lse = ctx.saved_tensors
+        grad, tau, step = grads[0], ctx.temperature, ctx.step
+        out = torch.empty_like(logits)
+        for s in range(0, logits.shape[1], step):
+            g = grad[:, s : s + step].float()  # [B, t, n]
+            p = torch.exp(logits[:, s : s + step].float() / tau - lse[:, s : s + step])  # [B, t, V]
+            d = (p * -g.sum(dim=-1, keepdim=True)).scatter_add_(-1, idx[:, s : s + step], g)
+            out[:, s : s + step] = d / tau if tau != 1.0 else d
+        return out, None, None, None
 
 
 def token_and_topk_logprobs(

@@ -97,7 +97,7 @@ class Updater:
     autocast: bool = False
     ref_model: nn.Module | None = None
     compact_logits: bool = False  # lm_head and [.., V] passes only at policy tokens (policy.policy_logits)
-    shared_prefix: bool = False  # the prompt tokens all rows share run once (policy.prefix_hidden)
+    shared_prefix: bool = False  # the prompt tokens all rows share run once (policy.prefix_inputs)
     rank: int = 0
     world: int = 1
     behaviour_model: nn.Module | None = None  # exact SIS: a copy of the weights that sampled the current batch
@@ -207,8 +207,9 @@ def _micro_loss(u: Updater, mb: RolloutBatch, mb_adv: Tensor, *, global_tokens: 
         loss = loss - u.algo.entropy_coef * aggregate(entropy, mb.mask, agg, global_tokens, u.world)
     if u.ref_model is not None and u.algo.kl_coef > 0:
         with torch.no_grad():
-            # the policy's layout, whatever the reference's own would be: a wrapped policy (FSDP2, DDP) falls back
-            # to the full layout while the unwrapped reference could go compact, and the two must line up
+            # the policy's layout, whatever the reference's own would be (a policy whose forward takes no
+            # `logits_to_keep` falls back to the full layout), so that the two line up token by token. Under FSDP2
+            # the reference is sharded like the policy (distributed.wrap_reference)
             compact = u.compact_logits and mb is not padded
             ref_logits, _ = policy_logits(u.ref_model, padded, autocast=u.autocast, compact=compact,
                                           shared_prefix=u.shared_prefix)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from sisrl.trainer.batch import Trajectory, collate
 from sisrl.trainer.config import TrainConfig, config_from_dict
-from sisrl.trainer.distributed import init_distributed, shutdown, wrap_model
+from sisrl.trainer.distributed import init_distributed, shutdown, wrap_model, wrap_reference
 from sisrl.trainer.policy import build_scheduler, load_policy
 from sisrl.trainer.update import Updater, train_on_batch
 
@@ -29,8 +29,8 @@ CASES: dict[str, dict[str, dict[str, object]]] = {
     # entropy bonus
     "sis_seq_mean": {"algorithm": {"ratio": "sis", "behaviour": "recompute", "agg_mode": "seq-mean-token-mean",
                                    "entropy_coef": 0.01}},
-    # a KL penalty to a reference model with compact logits: a wrapped policy falls back to the full layout, and
-    # the (unwrapped) reference must follow it (the GPU recipe's KL 0.001 under FSDP2 crashed on this)
+    # a KL penalty to a reference model with compact logits; under FSDP2 the reference is sharded like the policy
+    # (the GPU recipe's KL 0.001 under FSDP2 once crashed on a layout mismatch between the two)
     "is_kl_ref": {"algorithm": {"ratio": "is", "behaviour": "rollout", "kl_coef": 0.1},
                   "model": {"compact_logits": True}},
 }
@@ -51,8 +51,9 @@ def one_update(case: str, trajs: list[Trajectory], strategy: str) -> dict[str, t
     cfg = case_config(case, strategy)
     ctx = init_distributed(cfg.distributed, "cpu")
     model, tok = load_policy(cfg.model, seed=0, device=ctx.device)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+    ref = copy.deepcopy(model) if cfg.algorithm.kl_coef > 0 else None
     model = wrap_model(model, ctx, cfg.distributed.strategy)
+    ref = None if ref is None else wrap_reference(ref, ctx, cfg.distributed.strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = build_scheduler(optimizer, cfg.optim, 1)
     u = Updater(model=model, optimizer=optimizer, scheduler=scheduler, algo=cfg.algorithm, optim=cfg.optim,

@@ -17,11 +17,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from sisrl.common.procs import free_port
-from sisrl.trainer.config import RolloutConfig
-from sisrl.trainer.policy import load_policy
+from sisrl.trainer.batch import collate
+from sisrl.trainer.config import ModelConfig, RolloutConfig
+from sisrl.trainer.policy import common_prefix_length, load_policy
 from sisrl.trainer.sampling import SyntheticSource
 
 from tests.trainer.ddp_worker import CASES, STRATEGIES, case_config, one_update
+from tests.trainer.fsdp_logits_worker import logp_and_grads
+from tests.trainer.test_shared_prefix import PREFIX, shared_prefix_trajectories
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -75,3 +78,45 @@ def test_fsdp2_checkpoint_of_an_uneven_shard_restores_exactly(tmp_path: Path) ->
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float((tmp_path / "diff.txt").read_text()) == 0.0
+
+
+def test_fsdp2_compact_logits_equal_the_single_process_ones_and_never_span_the_response(tmp_path: Path) -> None:
+    """Under FSDP2 the compact path runs the lm_head on the policy tokens only, as in one process: same log-probs and
+    gradients, with and without the shared prefix (a second forward of the root module before the backward).
+
+    No [B, T, V] tensor, by construction: a forward hook on the lm_head records what it was given and returned, and
+    every call saw T' (the most policy tokens in a row) positions or the prefix's single one, never T or T + 1.
+    The frozen reference is sharded the same way: each rank holds half its bytes as DTensor shards, resharded after
+    its forward, and its log-probs are the single-process policy's (same initial weights)."""
+    trajs = shared_prefix_trajectories()
+    batch = collate(trajs, pad_id=0, k=1)
+    assert common_prefix_length(batch) == PREFIX
+    batch_path = tmp_path / "batch.json"
+    batch_path.write_text(json.dumps([t.to_json() for t in trajs]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(WORKER.with_name("fsdp_logits_worker.py")), str(batch_path), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    report = json.loads((tmp_path / "shapes.json").read_text())
+    b, t_prime = batch.size, int(batch.mask.sum(dim=1).max())
+    assert t_prime < batch.response_len
+    for name in ("full", "shared"):
+        torch.manual_seed(0)
+        model, _ = load_policy(ModelConfig(path="tiny"), seed=0, device=torch.device("cpu"))
+        single = logp_and_grads(model, batch, name == "shared", [])
+        dist = load_file(str(tmp_path / f"{name}.safetensors"))
+        assert dist.keys() == single.keys()
+        for key, value in single.items():
+            torch.testing.assert_close(dist[key], value, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+        policy_calls = [shapes for shapes in report[f"{name}_head"] if shapes[0][1] != 1]
+        assert [shape[:2] for call in policy_calls for shape in call] == [[b, t_prime]] * 2, report
+        assert len(report[f"{name}_head"]) == (2 if name == "shared" else 1), report  # the prefix: [1, 1, H]
+
+    ref = report["ref"]
+    assert ref["dtensor"] and ref["resharded_after_forward"] and not ref["requires_grad"] and not ref["training"]
+    for local in ref["local_bytes"]:
+        assert abs(local - ref["total_bytes"] / 2) <= 0.01 * ref["total_bytes"], ref
+    torch.testing.assert_close(load_file(str(tmp_path / "ref.safetensors"))["logp"], single["logp"],
+                               rtol=1e-5, atol=1e-5)

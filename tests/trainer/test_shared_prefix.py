@@ -1,4 +1,4 @@
-"""The shared-prefix forward (policy.prefix_hidden): the prompt tokens all rows start with run once, and the
+"""The shared-prefix forward (policy.prefix_inputs): the prompt tokens all rows start with run once, and the
 logits and gradients are those of the full forward."""
 
 from __future__ import annotations
@@ -15,26 +15,25 @@ from sisrl.trainer.sis import gather_logprobs
 PREFIX = 24  # tokens every prompt starts with (the instructions, in a search agent's prompt)
 
 
-def _batch(prompts: list[list[int]], responses: list[list[int]]) -> RolloutBatch:
-    """A batch of these prompts and responses; every third response token is an inserted (mask 0) one."""
-    trajs = [Trajectory(id=str(i), item_id=str(i), group_id=str(i), data_source="t", prompt_ids=p, response_ids=r,
-                        loss_mask=[int(t % 3 != 1) for t in range(len(r))], behaviour_logprobs=[-1.0] * len(r),
-                        topk_ids=[[0]] * len(r), topk_logprobs=[[-1.0]] * len(r), reward=0.0, reward_parts={},
-                        finish_reason="stop", policy_version=0)
-             for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
-    return collate(trajs, pad_id=0, k=1)
-
-
-@pytest.fixture(scope="module")
-def batch() -> RolloutBatch:
+def shared_prefix_trajectories() -> list[Trajectory]:
     """Six rows: prompts of 3-9 own tokens after a common prefix (two rows of one group share all of it),
-    responses of 5-17 tokens, so prompts are left-padded and responses right-padded."""
+    responses of 5-17 tokens, so prompts are left-padded and responses right-padded; every third response token is
+    an inserted (mask 0) one."""
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(5, 500, (PREFIX,), generator=g).tolist()
     own = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 9, 5, 7, 4)]
     prompts = [prefix + own[0], prefix + own[0], *(prefix + o for o in own[1:])]
     responses = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (9, 5, 17, 12, 8, 14)]
-    return _batch(prompts, responses)
+    return [Trajectory(id=str(i), item_id=str(i), group_id=str(i), data_source="t", prompt_ids=p, response_ids=r,
+                       loss_mask=[int(t % 3 != 1) for t in range(len(r))], behaviour_logprobs=[-1.0] * len(r),
+                       topk_ids=[[0]] * len(r), topk_logprobs=[[-1.0]] * len(r), reward=0.0, reward_parts={},
+                       finish_reason="stop", policy_version=0)
+            for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+
+
+@pytest.fixture(scope="module")
+def batch() -> RolloutBatch:
+    return collate(shared_prefix_trajectories(), pad_id=0, k=1)
 
 
 def _logp_and_grads(batch: RolloutBatch, shared: bool, trainable: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:

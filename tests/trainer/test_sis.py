@@ -300,3 +300,38 @@ def test_padded_topk_entries_are_outside_vk(pad: float) -> None:
     # M = max(0.5/0.6, 0.3/0.4) = 0.8333; xi = 1 - 0.5 - 0.3 = 0.2.
     assert math.isclose(res.log_m.item(), math.log(0.5 / 0.6), rel_tol=1e-5)
     assert math.isclose(res.metrics["sis/xi_k"].item(), 0.2, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_gradient_matches_log_softmax(chunk_size: int | None, temperature: float, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    base = (torch.randn(3, 10, 97) * 4).to(dtype)
+    ids = torch.randint(0, 97, (3, 10, 6))  # repeated ids within a position: their gradients add up
+    weights = torch.randn(3, 10, 6)
+    got_logits, ref_logits = base.clone().requires_grad_(), base.clone().requires_grad_()
+    (gather_logprobs(got_logits, ids, temperature, chunk_size) * weights).sum().backward()
+    (torch.log_softmax(ref_logits.float() / temperature, -1).gather(-1, ids) * weights).sum().backward()
+    assert got_logits.grad is not None and ref_logits.grad is not None and got_logits.grad.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_logits.grad.float(), ref_logits.grad.float(), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_keeps_no_float32_copy_of_the_logits_for_backward(dtype: torch.dtype) -> None:
+    """By construction: every tensor autograd saves for the backward is recorded (saved_tensors_hooks); the only one
+    of vocabulary width is the logits themselves (same storage), whatever the dtype or temperature."""
+    logits = (torch.randn(2, 8, 300) * 3).to(dtype).requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logp = gather_logprobs(logits, torch.randint(0, 300, (2, 8, 3)), temperature=0.7, chunk_size=2)
+    wide = [t for t in saved if t.shape[-1] == 300]
+    assert len(wide) == 1 and wide[0].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    logp.sum().backward()
+    assert logits.grad is not None and logits.grad.shape == logits.shape

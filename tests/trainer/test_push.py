@@ -86,6 +86,7 @@ def test_one_process_push_is_sharded_bf16_with_save_pretrained_names(tmp_path: P
         assert torch.equal(value, model.state_dict()[name].to(torch.bfloat16)), name
 
 
+@pytest.mark.timeout(300)  # a torchrun pair: two interpreters import torch and transformers
 def test_fsdp2_push_on_two_ranks_gathers_one_tensor_at_a_time(tmp_path: Path,
                                                                tokenizer: PreTrainedTokenizerBase) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}

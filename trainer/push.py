@@ -3,11 +3,11 @@ layout (`common/shards.py`), without a full copy of the weights on any rank.
 
 Under FSDP2 each parameter is a DTensor sharded over the ranks. Every rank takes part in each parameter's
 `full_tensor()` all-gather (a collective), one parameter at a time, in the same order; only rank 0 keeps the
-gathered tensor: it converts it to the push dtype, moves it to the CPU, adds it to the current shard and drops the
-gathered one; a shard is written as soon as its last tensor arrives. The other ranks drop their gathered copy at once. So
-rank 0 holds at most one shard (`model.push_shard_mb`) plus the one tensor being gathered, and the other ranks one
-gathered tensor. In one process (or under DDP) the same writer runs with no collective, straight from the
-model's own tensors (a copy only where the push dtype differs).
+gathered tensor: it converts it to the push dtype, moves it to the CPU, adds it to the current shard and drops
+the gathered one; a shard is written as soon as its last tensor arrives. The other ranks drop their gathered
+copy at once. So rank 0 holds at most one shard (`model.push_shard_mb`) plus the one tensor being gathered, and
+the other ranks one gathered tensor. In one process (or under DDP) the same writer runs with no collective,
+straight from the model's own tensors (a copy only where the push dtype differs).
 
 Tied weights as `save_pretrained` writes them: a tensor that is the same parameter as an earlier one
 (`lm_head.weight` under `tie_word_embeddings`) is written once, under its first name.

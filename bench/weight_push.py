@@ -5,7 +5,8 @@ initialised on the meta device and materialised where they live (one process: th
 own rows), so no step builds a full copy that the push would not have had to face. Each cell runs in fresh processes:
 
 - old (the baseline, trainer/loop.py before issue 44): under FSDP2 every rank gathers the whole float32 state dict to
-  CPU (`full_state_dict`), then rank 0 writes it with `save_pretrained` (one file); in one process
+  CPU (`full_state_dict`; a tied head is a second copy of the embedding), then rank 0 writes it with
+  `save_pretrained` (one file, that second copy included: it shares no storage with the first); in one process
   `save_pretrained` writes the model as it is (float32). Both into an `atomic_dir` (fsynced, renamed).
 - new (`trainer/push.py`): bfloat16 shards of at most `--shard-mb`, each parameter gathered by every rank and kept
   by rank 0 only, one shard held at a time.
@@ -77,6 +78,8 @@ def build(size: str, fsdp: bool) -> torch.nn.Module:
 
         model = wrap_model(model, init_distributed(DistributedConfig(strategy="fsdp2"), "cpu"), "fsdp2")
     model.to_empty(device="cpu")
+    if not fsdp:  # to_empty gives each module a new parameter: the head is tied to the embedding again
+        model.tie_weights()
     gen = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
     with torch.no_grad():
         for _, value in unique_tensors(model):
@@ -179,9 +182,11 @@ def _meminfo_kb(key: str) -> int:
 
 def arithmetic_rows(size: str, shard_mb: int) -> list[list[Any]]:
     """Bytes per push and per-rank copies from the parameter count: the old path holds a full float32 copy on
-    every rank; the new one one shard plus one float32 tensor on rank 0 and one float32 tensor elsewhere."""
+    every rank (a tied head a second time) and writes it; the new one holds one shard plus one float32 tensor on
+    rank 0 and one float32 tensor elsewhere, and writes bf16."""
     params, largest = param_counts(size)
-    old = ["old, FSDP2 (arithmetic)", None, params * 4 / MB, params * 4 / MB, params * 4 / MB, 1]
+    full = (params + (largest if SHAPES[size][6] else 0)) * 4 / MB  # the embedding is the largest tensor
+    old = ["old, FSDP2 (arithmetic)", None, full, full, full, 1]
     new = ["new, FSDP2 (arithmetic)", None, (shard_mb * MB + largest * 4) / MB, largest * 4 / MB, params * 2 / MB,
            -(-params * 2 // (shard_mb * MB))]
     return [[size, round(params / 1e6), *(round(c, 1) if isinstance(c, float) else c for c in row)]
@@ -240,6 +245,8 @@ def report(args: argparse.Namespace, res: dict[tuple[str, str, str], list[dict[s
              + ("" if reset_ok else " (VmHWM could not be reset: lifetime peaks minus the start RSS)")
              + "; arithmetic rows: bytes each rank holds at most (old: the full float32 copy; new: rank 0 one "
              "shard + the largest float32 tensor, other ranks the largest float32 tensor) and bytes per push. "
+             "Under FSDP2 the old path also wrote the tied lm_head a second time (its gathered copies share no "
+             "storage, so save_pretrained cannot see the tie). "
              + (args.notes or ""))
     write_record(
         bench="weight_push", title="Weight push: the full float32 state dict against bf16 shards",

@@ -270,7 +270,8 @@ class LocalEngine:
             # Tensors are copied one by one, so some may already be new: refuse to generate until a load succeeds.
             log.exception("weight swap to version %d failed", swap.version)
             self._torn = f"the weights are torn: loading {swap.path} failed half-way ({exc!r}); load a policy again"
-            self._fail(list(self._active), exc)
+            self._fail([*self._active, *self._pending], exc)
+            self._pending = []
             swap.future.set_exception(exc)
             return
         self._torn = None

@@ -186,3 +186,38 @@ def test_push_dtype_auto_follows_the_engine_else_the_trainer() -> None:
     assert resolve_push_dtype("float32", served="bfloat16", trained="bfloat16") == torch.float32
     with pytest.raises(ValueError, match="weights_dtype: 'int8'"):
         resolve_push_dtype("auto", served="int8", trained="float32")
+
+
+def test_a_shard_that_breaks_after_the_check_tears_the_engine_until_a_load_succeeds(
+        tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The headers pass, then a shard is truncated while the load waits for a running generation: the copy fails
+    half-way (the first shards already copied), so the engine refuses to generate until a load succeeds."""
+    write_push(build_tiny_policy(tokenizer, seed=3), tokenizer, tmp_path / "v1", dtype=torch.bfloat16,
+               max_shard_bytes=SHARD_BYTES)
+    write_push(build_tiny_policy(tokenizer, seed=4), tokenizer, tmp_path / "v2", dtype=torch.bfloat16,
+               max_shard_bytes=SHARD_BYTES)
+    prompt = list(tokenizer.encode("Who wrote the novel Dracula?"))
+    params = SamplingParams(max_new_tokens=64, stop=(), seed=5, logprobs_k=2)
+
+    async def main() -> None:
+        engine = LocalEngine(build_tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
+        try:
+            running = asyncio.create_task(engine.generate(prompt, params))
+            while engine.stats.prefill_passes == 0:  # the generation runs before the load is asked for
+                await asyncio.sleep(0.001)
+            load = asyncio.create_task(engine.load_weights(str(tmp_path / "v1"), 1))
+            while not engine._swaps:  # checked and queued: it waits for the running generation
+                await asyncio.sleep(0.001)
+            last = sorted((tmp_path / "v1").glob("model-*.safetensors"))[-1]
+            last.write_bytes(last.read_bytes()[:-10])
+            await running
+            with pytest.raises(ValueError, match="not a readable safetensors file"):
+                await load
+            with pytest.raises(RuntimeError, match="torn"):
+                await engine.generate(prompt, params)
+            await engine.load_weights(str(tmp_path / "v2"), 2)
+            assert (await engine.generate(prompt, params)).policy_version == 2
+        finally:
+            await engine.close()
+
+    asyncio.run(main())

@@ -128,18 +128,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         torch.distributed.barrier()
     start_kb = _status_kb("VmRSS")
     reset = _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if args.path == "old":
         old_push(model, out, fsdp=fsdp, is_main=rank == 0)
     else:
         write_push(model, tokenizer, out, dtype=torch.bfloat16, max_shard_bytes=args.shard_mb * MB, is_main=rank == 0)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak_kb = _status_kb("VmHWM")
     files = sorted(out.glob("*.safetensors")) if rank == 0 else []
     if fsdp:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return {"rank": rank, "push_s": seconds, "start_rss_mb": start_kb / 1024,
+    return {"rank": rank, "push_s": seconds, "push_cpu_s": cpu_seconds, "start_rss_mb": start_kb / 1024,
             "push_peak_rss_mb": (peak_kb - start_kb) / 1024, "peak_reset": reset,
             "weight_bytes": sum(f.stat().st_size for f in files), "files": len(files)}
 
@@ -186,8 +186,8 @@ def arithmetic_rows(size: str, shard_mb: int) -> list[list[Any]]:
     rank 0 and one float32 tensor elsewhere, and writes bf16."""
     params, largest = param_counts(size)
     full = (params + (largest if SHAPES[size][6] else 0)) * 4 / MB  # the embedding is the largest tensor
-    old = ["old, FSDP2 (arithmetic)", None, full, full, full, 1]
-    new = ["new, FSDP2 (arithmetic)", None, (shard_mb * MB + largest * 4) / MB, largest * 4 / MB, params * 2 / MB,
+    old = ["old, FSDP2 (arithmetic)", None, None, full, full, full, 1]
+    new = ["new, FSDP2 (arithmetic)", None, None, (shard_mb * MB + largest * 4) / MB, largest * 4 / MB, params * 2 / MB,
            -(-params * 2 // (shard_mb * MB))]
     return [[size, round(params / 1e6), *(round(c, 1) if isinstance(c, float) else c for c in row)]
             for row in (old, new)]
@@ -197,13 +197,14 @@ def measured_row(size: str, mode: str, path: str, ranks: list[dict[str, Any]]) -
     params, _ = param_counts(size)
     rank1 = round(ranks[1]["push_peak_rss_mb"], 1) if len(ranks) > 1 else None
     return [size, round(params / 1e6), f"{path}, {'2-rank FSDP2' if mode == 'fsdp2' else 'one process'}",
-            round(ranks[0]["push_s"], 2), round(ranks[0]["push_peak_rss_mb"], 1), rank1,
+            round(ranks[0]["push_s"], 2), round(ranks[0]["push_cpu_s"], 2), round(ranks[0]["push_peak_rss_mb"], 1),
+            rank1,
             round(ranks[0]["weight_bytes"] / MB, 1), ranks[0]["files"]]
 
 
 def cell_figures(size: str, mode: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     key = f"{size.replace('.', '_')}_{mode}"
-    figures = {f"{key}_push_s": round(ranks[0]["push_s"], 3),
+    figures = {f"{key}_push_s": round(ranks[0]["push_s"], 3), f"{key}_push_cpu_s": round(ranks[0]["push_cpu_s"], 3),
                f"{key}_rank0_peak_mb": round(ranks[0]["push_peak_rss_mb"], 1),
                f"{key}_weight_mb": round(ranks[0]["weight_bytes"] / MB, 1)}
     if len(ranks) > 1:
@@ -221,18 +222,21 @@ def summary(res: dict[tuple[str, str, str], list[dict[str, Any]]]) -> str:
         size = sizes[-1]
         old, new = res[(size, mode, "old")], res[(size, mode, "new")]
         peak = max(r["push_peak_rss_mb"] for r in old), max(r["push_peak_rss_mb"] for r in new)
-        parts.append(f"{what} ({size}-shaped) the bf16 shards are {old[0]['weight_bytes'] / new[0]['weight_bytes']:.1f}x "
-                     f"fewer bytes, the push takes {new[0]['push_s']:.1f} s against {old[0]['push_s']:.1f} s and its "
-                     f"largest per-process peak is {peak[1]:.0f} MB against {peak[0]:.0f} MB")
+        ratio = old[0]["weight_bytes"] / new[0]["weight_bytes"]
+        parts.append(f"{what} ({size}-shaped) the bf16 shards are {ratio:.1f}x fewer bytes, rank 0's push takes "
+                     f"{new[0]['push_cpu_s']:.1f} CPU s against {old[0]['push_cpu_s']:.1f} and the largest per-process peak is {peak[1]:.0f} MB against "
+                     f"{peak[0]:.0f} MB")
     text = "; ".join(parts)
     return text[:1].upper() + text[1:] + "." if parts else "No cell was measured."
 
 
 def report(args: argparse.Namespace, res: dict[tuple[str, str, str], list[dict[str, Any]]],
            skipped: list[tuple[str, str, str]], reset_ok: bool) -> None:
-    columns = ["model", "params (M)", "path", "push s", "rank 0 peak MB", "rank 1 peak MB", "weights MB", "files"]
+    columns = ["model", "params (M)", "path", "push s", "push CPU s", "rank 0 peak MB", "rank 1 peak MB",
+               "weights MB", "files"]
     rows = [measured_row(size, mode, path, ranks) for (size, mode, path), ranks in res.items()]
-    rows += [[size, None, f"{mode}: skipped ({why})", None, None, None, None, None] for size, mode, why in skipped]
+    rows += [[size, None, f"{mode}: skipped ({why})", None, None, None, None, None, None]
+             for size, mode, why in skipped]
     for size in ("0.5b", "1.5b", "3b", "7b") if args.sizes != ["tiny"] else ["tiny"]:
         rows += arithmetic_rows(size, args.shard_mb)
     for row in rows:
@@ -253,7 +257,7 @@ def report(args: argparse.Namespace, res: dict[tuple[str, str, str], list[dict[s
         measures="One weight push of a randomly initialised Qwen2.5-shaped model (tied embeddings), each cell in "
                  "fresh processes: the push before issue 44 (FSDP2: a full float32 CPU copy on every rank, then "
                  "save_pretrained) against trainer/push.py (bfloat16 shards, each parameter gathered and kept by "
-                 "rank 0 only); wall time incl. fsync, peak RSS above the start, bytes written.",
+                 "rank 0 only); wall and CPU time incl. fsync, peak RSS above the start, bytes written.",
         summary=summary(res), figures=figures,
         baseline={"what": "the push before issue 44 (full float32 state dict, save_pretrained), same run",
                   "figures": baseline},

@@ -27,7 +27,7 @@ def test_the_bench_pushes_both_ways_and_writes_its_record(tmp_path: Path) -> Non
     record = json.loads(records[0].read_text())
     new, old = record["figures"], record["baseline"]["figures"]
     assert set(new) == set(old) == {f"tiny_{mode}_{k}" for mode in ("single", "fsdp2")
-                                    for k in ("push_s", "rank0_peak_mb", "weight_mb")} | {"tiny_fsdp2_rank1_peak_mb"}
+                                    for k in ("push_s", "push_cpu_s", "rank0_peak_mb", "weight_mb")} | {"tiny_fsdp2_rank1_peak_mb"}
     params, embedding = param_counts("tiny")
     # bf16 is half of fp32, up to the safetensors headers; under FSDP2 the old path also wrote the tied head
     for mode, ratio in (("single", 2.0), ("fsdp2", 2.0 * (params + embedding) / params)):
@@ -37,7 +37,7 @@ def test_the_bench_pushes_both_ways_and_writes_its_record(tmp_path: Path) -> Non
     assert [r[2] for r in rows] == ["old, one process", "new, one process", "old, 2-rank FSDP2", "new, 2-rank FSDP2",
                                     "old, FSDP2 (arithmetic)", "new, FSDP2 (arithmetic)"]
     old_arith, new_arith = rows[-2], rows[-1]
-    assert old_arith[6] == round((params + embedding) * 4 / 2**20, 1)  # MB per push: fp32, the tied head twice
-    assert new_arith[6] == round(params * 2 / 2**20, 1)
-    assert record["summary"].startswith("In one process (tiny-shaped) the bf16 shards are 2.0x fewer bytes")
+    assert old_arith[7] == round((params + embedding) * 4 / 2**20, 1)  # MB per push: fp32, the tied head twice
+    assert new_arith[7] == round(params * 2 / 2**20, 1)
+    assert record["summary"].startswith("In one process (tiny-shaped) the bf16 shards are 2.0x fewer bytes, rank 0's")
     assert record["notes"].endswith("test run") and record["command"].startswith("bench/weight_push.py --sizes tiny")

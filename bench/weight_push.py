@@ -224,8 +224,8 @@ def summary(res: dict[tuple[str, str, str], list[dict[str, Any]]]) -> str:
         peak = max(r["push_peak_rss_mb"] for r in old), max(r["push_peak_rss_mb"] for r in new)
         ratio = old[0]["weight_bytes"] / new[0]["weight_bytes"]
         parts.append(f"{what} ({size}-shaped) the bf16 shards are {ratio:.1f}x fewer bytes, rank 0's push takes "
-                     f"{new[0]['push_cpu_s']:.1f} CPU s against {old[0]['push_cpu_s']:.1f} and the largest per-process peak is {peak[1]:.0f} MB against "
-                     f"{peak[0]:.0f} MB")
+                     f"{new[0]['push_cpu_s']:.1f} CPU s against {old[0]['push_cpu_s']:.1f} and the largest "
+                     f"per-process peak is {peak[1]:.0f} MB against {peak[0]:.0f} MB")
     text = "; ".join(parts)
     return text[:1].upper() + text[1:] + "." if parts else "No cell was measured."
 

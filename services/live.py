@@ -12,6 +12,7 @@ from sisrl.services import store
 from sisrl.services.agent import SearchR1Protocol
 from sisrl.services.claims import open_claims
 from sisrl.services.engines.base import Engine, create_engine
+from sisrl.services.engines.local import LocalEngine
 from sisrl.services.engines.pool import EnginePool
 from sisrl.services.metrics import GatewayMetrics
 from sisrl.services.retrieval_client import RetrievalClient, RetryPolicy
@@ -96,7 +97,16 @@ def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clo
         max_response_tokens=settings.max_response_tokens,
     )
     runner = BatchRunner(deps, max_concurrency=settings.max_concurrency, claims=claims)
-    return Live(engine=engine, retriever=retriever, runner=runner), from_loaded(tokenizer, name)
+    return (Live(engine=engine, retriever=retriever, runner=runner, weights_dtype=served_dtype(engine, settings)),
+            from_loaded(tokenizer, name))
+
+
+def served_dtype(engine: Engine, settings: GatewaySettings) -> str | None:
+    """The dtype the engine holds its weights in (a trainer pushes in it: `model.push_dtype: auto`): the local
+    engine's model's; otherwise the `--dtype` setting, None when that is `auto` (vLLM picks)."""
+    if isinstance(engine, LocalEngine):
+        return str(engine.model.dtype).removeprefix("torch.")
+    return settings.dtype if settings.dtype != "auto" else None
 
 
 async def close_live(live: Live, sessions: sessionmaker[Session]) -> None:

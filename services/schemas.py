@@ -443,6 +443,9 @@ class Health(BaseModel):
     load_granularity: Literal["decode-step", "turn"] | None = Field(
         default=None, description="where a partial weight load (POST /v1/policy partial=true) lands inside a "
         "running trajectory: between two decode steps, or between two turns (generations); null when store-only")
+    weights_dtype: str | None = Field(default=None, description="dtype the engine holds its weights in (float32, "
+                                      "bfloat16, float16), the one a trainer pushes in; null when store-only or "
+                                      "unknown (vLLM choosing its own)")
     inflight_trajectories: int
     store_only: bool
     token_required: bool = Field(description="every route but /health and /ui needs `Authorization: Bearer`")

@@ -33,6 +33,7 @@ class Live:
     engine: Engine
     retriever: RetrievalClient
     runner: BatchRunner
+    weights_dtype: str | None = None  # what the engine holds its weights in; None: unknown (vLLM's own `auto`)
 
 
 @dataclass

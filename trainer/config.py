@@ -52,6 +52,12 @@ class ModelConfig(_Section):
     shared_prefix: bool = Field(default=True, description="with compact_logits: the prompt tokens every row of a "
                                 "micro-batch starts with (the instructions) run through the model once and their "
                                 "keys/values serve every row; same logits and gradients, less work")
+    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="dtype of the weights pushed to the gateway: 'auto' = the dtype its engine "
+        "serves in (its /health weights_dtype), else `dtype`; bfloat16 halves a float32 push")
+    push_shard_mb: int = Field(default=1024, ge=1, description="largest safetensors shard of a push, MiB: rank 0 "
+                               "holds at most one shard plus the tensor being gathered while it writes, and an "
+                               "engine reads one tensor at a time")
 
 
 class DataFile(_Section):

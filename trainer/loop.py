@@ -52,11 +52,10 @@ from sisrl.trainer.pipeline import RolloutPipeline, Taken
 from sisrl.trainer.policy import (
     build_optimizer,
     build_scheduler,
-    full_state_dict,
     load_policy,
-    save_hf_directory,
     unwrap,
 )
+from sisrl.trainer.push import push_shard_bytes, resolve_push_dtype, write_push
 from sisrl.trainer.sampling import SyntheticSource
 from sisrl.trainer.update import TokenRecord, Updater, train_on_batch
 from tqdm import tqdm
@@ -125,6 +124,7 @@ class Session:
     writer: MetricsWriter | None  # rank 0 only
     pipeline: RolloutPipeline | None = None  # rank 0, gateway source only
     pusher: WeightPusher | None = None  # rank 0, async mode only
+    push_dtype: torch.dtype = torch.float32  # of the pushed weights (rank 0 converts; the others only gather)
     step: int = 0
     version: int = 0
 
@@ -167,6 +167,9 @@ def setup(cfg: TrainConfig) -> Session:
     if ctx.is_main and isinstance(s.source, GatewaySource):
         assert s.sampler is not None
         _check_partial(cfg, s.source.client)
+        s.push_dtype = resolve_push_dtype(cfg.model.push_dtype, served=s.source.client.health().get("weights_dtype"),
+                                          trained=cfg.model.dtype)
+        log.info("weight pushes: %s, shards of at most %d MiB", s.push_dtype, cfg.model.push_shard_mb)
         s.pipeline = RolloutPipeline.for_run(s.source, s.sampler, cfg.rollout, total_steps=cfg.total_steps,
                                              resumed=ckpt is not None)
         if cfg.rollout.mode == "async":
@@ -337,27 +340,30 @@ def _evaluate(cfg: TrainConfig, source: GatewaySource, step: int, version: int) 
 
 def _push_weights(cfg: TrainConfig, s: Session, *, wait: bool = True,
                   then: Callable[[int], None] | None = None) -> None:
-    """Save the policy as an HF safetensors directory and announce it (`POST /v1/policy`), then call
-    `then(version)`; rank 0 writes. `wait=False` (async mode): the announcement and `then` run in the push
-    thread while the trainer goes on."""
+    """Save the policy as a sharded HF safetensors directory in the push dtype (`trainer/push.py`) and announce it
+    (`POST /v1/policy`), then call `then(version)`; rank 0 writes, and under FSDP2 every rank joins the gathers.
+    `wait=False` (async mode): the announcement and `then` run in the push thread while the trainer goes on."""
     needs = s.source.needs_weights if s.source is not None else cfg.rollout.source == "gateway"
     if not needs:
         return
-    state = full_state_dict(s.model) if cfg.distributed.strategy == "fsdp2" and s.ctx.enabled else None  # collective
+    root = s.run_dir.resolve() / "policy"
+    out = root / f"v{s.version:06d}"
+    if s.ctx.is_main and s.pusher is not None:
+        s.pusher.wait()  # one push at a time: the previous one has landed before its files can go
+    gathers = cfg.distributed.strategy == "fsdp2" and s.ctx.enabled  # DDP and one process: rank 0 alone writes
+    if s.ctx.is_main or gathers:
+        write_push(s.model, s.tokenizer, out, dtype=s.push_dtype,
+                   max_shard_bytes=push_shard_bytes(cfg.model.push_shard_mb), is_main=s.ctx.is_main)
     if s.ctx.is_main:
         assert s.source is not None
-        if s.pusher is not None:
-            s.pusher.wait()  # one push at a time: the previous one has landed before its files can go
-        root = s.run_dir.resolve() / "policy"
-        path = save_hf_directory(s.model, s.tokenizer, root / f"v{s.version:06d}", state=state)
         for old in sorted(root.glob("v*"))[:-2]:  # keep this version and the one the gateway serves now
             shutil.rmtree(old, ignore_errors=True)
         if s.pusher is not None:
-            s.pusher.push(path, s.version, then)
+            s.pusher.push(out, s.version, then)
             if wait:
                 s.pusher.wait()
         else:
-            s.source.push_policy(path, s.version)
+            s.source.push_policy(out, s.version)
             if then is not None:
                 then(s.version)
     barrier(s.ctx)

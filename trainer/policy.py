@@ -265,25 +265,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """CPU copies of all parameters/buffers; gathers FSDP2 DTensor shards (a collective: call on every rank)."""
-    out: dict[str, Tensor] = {}
-    for name, value in unwrap(model).state_dict().items():
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        out[name] = full.detach().to("cpu").contiguous()
-    return out
-
-
-def save_hf_directory(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path,
-                      state: dict[str, Tensor] | None = None) -> Path:
+def save_hf_directory(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path) -> Path:
     """Write a Hugging Face safetensors directory (what the gateway's engine loads) durably: into a temp directory
     beside `out`, every file fsynced, then renamed (`common/atomic.atomic_dir`). A push killed midway leaves only
-    `.NAME.tmp-*`, which the trainer's next start removes (`sweep_temps`)."""
+    `.NAME.tmp-*`, which the trainer's next start removes (`sweep_temps`). One process only (an SFT result, an
+    evaluated model); the training loop's pushes are `trainer/push.py`'s."""
     base = unwrap(model)
     if not isinstance(base, PreTrainedModel):
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(base).__name__}")
     with atomic_dir(out, overwrite=True) as tmp:
-        base.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+        base.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     return out
 

@@ -26,7 +26,7 @@ from sisrl.common.models import load_tokenizer, resolve_policy_path
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams, check_prompt
 from sisrl.services.engines.kv_batch import KVBatch, PrefixCache
 from sisrl.services.engines.sampling import StopChecker, processed_logprobs, sample_tokens, topk_by_rank
-from sisrl.services.engines.weights import check_state, copy_state, read_safetensors
+from sisrl.services.engines.weights import check_shapes, copy_safetensors, safetensors_shapes
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class _Slot:
 
 @dataclass
 class _Swap:
-    state: dict[str, torch.Tensor]
+    path: str  # checked (names, shapes) before it was queued; read tensor by tensor while it is applied
     version: int
     future: asyncio.Future[None]
     mid_request: bool = False  # True: between decode steps, running rows re-prefilled; False: after a drain
@@ -137,6 +137,7 @@ class LocalEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._torn: str | None = None  # set when a swap failed half-way: the weights mix two checkpoints
         self._stats = EngineStats()
 
     @property
@@ -159,6 +160,8 @@ class LocalEngine:
 
         Cancelling the call cancels the generation: its row leaves the batch before the next decode step."""
         self._check_open()
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
         check_prompt(prompt_ids, self.vocab_size)
         if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under {self.max_positions}")
@@ -190,9 +193,9 @@ class LocalEngine:
 
     async def _load(self, path: str, version: int, *, mid_request: bool) -> None:
         self._check_open()
-        state = await asyncio.to_thread(read_safetensors, path)
-        await asyncio.to_thread(check_state, self.model, state)
-        swap = _Swap(state, version, asyncio.get_running_loop().create_future(), mid_request)
+        shapes = await asyncio.to_thread(safetensors_shapes, path)  # headers only: no second copy of the weights
+        await asyncio.to_thread(check_shapes, self.model, shapes)
+        swap = _Swap(path, version, asyncio.get_running_loop().create_future(), mid_request)
         self._swaps.append(swap)
         self._kick()
         await swap.future
@@ -263,13 +266,18 @@ class LocalEngine:
                     slot.future.set_result(slot.generation())
 
     async def _apply_swap(self, loop: asyncio.AbstractEventLoop, swap: _Swap) -> None:
+        self.prefix_cache.clear()  # computed under the old weights
         try:
-            await loop.run_in_executor(self._executor, copy_state, self.model, swap.state)
-            self.prefix_cache.clear()  # computed under the old weights
+            await loop.run_in_executor(self._executor, copy_safetensors, self.model, swap.path)
         except Exception as exc:
+            # Tensors are copied one by one, so some may already be new: refuse to generate until a load succeeds.
             log.exception("weight swap to version %d failed", swap.version)
+            self._torn = f"the weights are torn: loading {swap.path} failed half-way ({exc!r}); load a policy again"
+            self._fail([*self._active, *self._pending], exc)
+            self._pending = []
             swap.future.set_exception(exc)
             return
+        self._torn = None
         self.policy_version = swap.version
         swap.future.set_result(None)
         self._active = [s for s in self._active if not s.future.done()]

@@ -11,8 +11,11 @@ Why the worker's own `reload_weights`: after the first load vLLM post-processes 
 (torch.Size([576, 1536])) into parameter (torch.Size([0]))`). `Worker.reload_weights(weights_iterator=...,
 is_checkpoint_format=True)` restores the checkpoint layout, loads, and post-processes again. A load that fails
 half-way leaves the model unusable (vLLM's own `reload_weights` with a bad path killed the engine with
-`EngineDeadError`), so every tensor is read and checked first, names and shapes against the checkpoint the
-engine started from, and a refused checkpoint raises before any weight is touched.
+`EngineDeadError`), so the checkpoint is checked first from its safetensors headers (no tensor data read):
+names and shapes against the checkpoint the engine started from, every shard its index names present and of
+the size its header says. A refused checkpoint raises before any weight is touched. The tensors then stream
+into `reload_weights` one at a time, shard after shard (`iter_safetensors`): the worker never holds a second
+full copy of the weights.
 
 Tied embeddings: vLLM's layerwise reload processes a tied parameter for one of its layers only
 (`vllm/model_executor/model_loader/reload/__init__.py`, limitation 2). The tensor is shared, but the CPU
@@ -27,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sisrl.services.engines.weights import check_like, read_safetensors, safetensors_shapes
+from sisrl.services.engines.weights import check_like, iter_safetensors, safetensors_shapes
 
 log = logging.getLogger(__name__)
 TIED = "lm_head.weight"  # absent from checkpoints of models with tied embeddings (save_pretrained drops it)
@@ -45,16 +48,16 @@ class SafetensorsReload:
         config: Any = getattr(self, "model_config", None)
         if reload is None or config is None:
             raise RuntimeError("SafetensorsReload must be a vLLM (>= 0.32) worker extension: no reload_weights")
-        state = read_safetensors(path)
+        shapes = safetensors_shapes(path)
         served = str(config.model)
         if Path(served).is_dir():
-            check_like(state, safetensors_shapes(served), optional={TIED})
+            check_like(shapes, safetensors_shapes(served), optional={TIED})
         else:  # a hub id: no local checkpoint to compare with; vLLM's own loader checks shapes while it loads
             log.warning("served model %s is not a local directory; %s is loaded without a shape check", served, path)
-        reload(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+        reload(weights_iterator=iter_safetensors(path), is_checkpoint_format=True)
         if getattr(config.hf_config, "tie_word_embeddings", False):
             _repack_tied_head(getattr(self, "model_runner", None))
-        return len(state)
+        return len(shapes)
 
 
 def _repack_tied_head(runner: Any) -> None:

@@ -1,4 +1,10 @@
-"""Read a safetensors checkpoint (HF directory or single file) and check it fits a model before any swap."""
+"""Check a safetensors checkpoint (HF directory, sharded or not, or one file) against a model from its headers
+alone, then copy it in one tensor at a time.
+
+A push is a directory of shards (`common/shards.py`); an engine never holds a second full copy of the weights:
+the names and shapes come from the headers (no tensor data read), and `copy_safetensors` reads each tensor,
+copies it into the model and drops it before the next one.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +12,16 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from sisrl.common.shards import INDEX_NAME, iter_safetensors, read_index, safetensors_files
+
+__all__ = ["check_like", "check_shapes", "copy_safetensors", "iter_safetensors", "safetensors_files",
+           "safetensors_shapes"]
 
 
-def safetensors_files(path: str) -> list[Path]:
-    """The `.safetensors` files of `path` (one file, or every one in a directory); FileNotFoundError if none."""
-    root = Path(path)
-    if root.is_file() and root.suffix == ".safetensors":
-        return [root]
-    if not root.is_dir():
-        raise FileNotFoundError(f"weights path {path!r} is neither a .safetensors file nor a directory")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path!r}")
-    return files
-
-
-def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of `path`: a `.safetensors` file or a directory of them (sharded HF checkpoints)."""
-    state: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        try:
-            state.update(load_file(str(file)))
-        except SafetensorError as exc:
-            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
-    return state
-
-
-def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of `path`, read from the safetensors headers only (no tensor data)."""
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `path`, from the safetensors headers only (no tensor data). Opening a
+    file checks that its size matches its header, so a truncated shard is refused here. A directory's index
+    must name exactly the tensors its shards hold."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(path):
         try:
@@ -42,47 +29,55 @@ def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
                 shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
         except SafetensorError as exc:
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
+    index = Path(path) / INDEX_NAME
+    if index.is_file() and set(read_index(index)) != set(shapes):
+        extra = sorted(set(read_index(index)) ^ set(shapes))
+        raise ValueError(f"{index} and its shards name different tensors, e.g. {extra[:3]}")
     return shapes
 
 
-def check_like(state: dict[str, torch.Tensor], reference: dict[str, tuple[int, ...]], *, optional: set[str]) -> None:
-    """Raise ValueError unless `state` has the names and shapes of `reference` (names in `optional`, e.g. a tied
+def check_like(shapes: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]], *,
+               optional: set[str]) -> None:
+    """Raise ValueError unless `shapes` has the names and shapes of `reference` (names in `optional`, e.g. a tied
     `lm_head.weight`, may be present in one and absent in the other)."""
-    unexpected = sorted(set(state) - set(reference) - optional)
-    missing = sorted(set(reference) - set(state) - optional)
+    unexpected = sorted(set(shapes) - set(reference) - optional)
+    missing = sorted(set(reference) - set(shapes) - optional)
     if unexpected or missing:
         raise ValueError(f"checkpoint names differ from the served model's: {len(unexpected)} unexpected "
                          f"(e.g. {unexpected[:3]}), {len(missing)} missing (e.g. {missing[:3]})")
-    for name, tensor in state.items():
-        if name in reference and tuple(tensor.shape) != reference[name]:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != served model {reference[name]}")
+    for name, shape in shapes.items():
+        if name in reference and shape != reference[name]:
+            raise ValueError(f"{name}: checkpoint shape {shape} != served model {reference[name]}")
 
 
-def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError unless `state` gives every parameter of `model` with the right shape.
+def check_shapes(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise ValueError unless `shapes` (a checkpoint's names and shapes) gives every parameter of `model` with
+    the right shape.
 
     A name may be missing when it is tied to a present one (save_pretrained drops tied `lm_head.weight`).
     """
     own = model.state_dict()
-    unexpected = sorted(set(state) - set(own))
+    unexpected = sorted(set(shapes) - set(own))
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} names the model lacks, e.g. {unexpected[:3]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}"
-            )
+    for name, shape in shapes.items():
+        if shape != tuple(own[name].shape):
+            raise ValueError(f"{name}: checkpoint shape {shape} != model {tuple(own[name].shape)}")
     aliases: dict[int, set[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), set()).add(name)
     for names in aliases.values():
-        if not names & set(state):
+        if not names & set(shapes):
             raise ValueError(f"checkpoint lacks parameter {sorted(names)[0]!r}")
 
 
 @torch.no_grad()
-def copy_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` into `model`'s tensors in place (dtype cast to the model's); call `check_state` first."""
+def copy_safetensors(model: torch.nn.Module, path: str | Path) -> int:
+    """Copy every tensor of `path` into `model`'s tensors in place (cast to the model's dtype), one tensor read
+    at a time; call `check_shapes` first. Returns how many tensors were copied."""
     own = model.state_dict()
-    for name, tensor in state.items():
+    count = 0
+    for name, tensor in iter_safetensors(path):
         own[name].copy_(tensor)
+        count += 1
+    return count

@@ -20,6 +20,7 @@ def health(state: StateDep) -> Health:
     return Health(status="ok", policy_version=live.engine.policy_version if live else None,
                   engine=settings.engine if live else "store-only", inflight_trajectories=state.pending,
                   load_granularity=live.runner.gate.granularity if live else None,
+                  weights_dtype=live.weights_dtype if live else None,
                   store_only=live is None, token_required=settings.api_token is not None, rollout=rollout)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sisrl.common.models import build_tiny_policy, load_tokenizer
+from sisrl.common.shards import iter_safetensors
 from sisrl.trainer.cli import main as cli_main
 from sisrl.trainer.config import ConfigError, config_from_dict
 from sisrl.trainer.demo_data import write_demo_data
@@ -66,8 +67,11 @@ def test_one_step_through_retriever_and_gateway(servers: tuple[Path, Path, Servi
     pushed = run_dir / "policy" / "v000001"
     assert httpx.get(f"{gateway.url}/v1/policy").json()["path"] == str(pushed.resolve())
     before = load_file(str(run_dir / "initial" / "model.safetensors"))
-    after = load_file(str(pushed / "model.safetensors"))
-    moved = max(float((after[k] - before[k]).abs().max()) for k in before)
+    after = dict(iter_safetensors(pushed))  # the push's shards, through its index
+    assert after.keys() == before.keys()
+    # model.push_dtype auto: the dtype the gateway's engine serves in, as its /health says
+    assert {str(t.dtype).removeprefix("torch.") for t in after.values()} == {health["weights_dtype"]}
+    moved = max(float((after[k].float() - before[k]).abs().max()) for k in before)
     assert moved > 1e-4  # Adam's first step moves every touched weight by ~lr = 1e-3
 
     rows = read_metrics(run_dir)

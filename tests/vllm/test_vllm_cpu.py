@@ -4,7 +4,8 @@ started with the flags docs/engines.md prescribes and sisrl's worker extension, 
 
 Checks: the engine contract of `VLLMHttpEngine` against a fresh fp32 transformers forward (tolerances below);
 a gateway batch through it with real searches on a real retriever; a weight update through the gateway's
-`POST /v1/policy`, also one that lands while a batch runs (partial); bad checkpoints refused with the server still serving the old weights; the in-process engine
+`POST /v1/policy`, also one that lands while a batch runs (partial), and one of the trainer's sharded bf16
+pushes (`trainer/push.py`) read shard by shard; bad checkpoints refused with the server still serving the old weights; the in-process engine
 (`VLLMEngine`, run in the vLLM venv) generating and loading weights. Runs only through `make test-vllm`.
 """
 
@@ -30,6 +31,7 @@ from sisrl.common.procs import Service, free_port, launch, launch_module, log_ta
 from sisrl.common.vllm_cpu import server_command, server_env
 from sisrl.services.engines.base import MIN_LOGPROB, Generation, SamplingParams
 from sisrl.services.engines.vllm_http import VLLMHttpEngine
+from sisrl.trainer.push import write_push
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.services.conftest import nq_item, qa_subset, retriever_url  # noqa: F401 (fixtures)
@@ -66,6 +68,7 @@ class Checkpoints:
     perturbed: Path  # every tensor + 2% Gaussian noise of its own scale: different outputs, still a language model
     corrupt: Path  # a .safetensors file that is not one
     wrong_shape: Path  # the tiny test Llama: SmolLM2's names, other shapes
+    pushed_bf16: Path  # the perturbed weights as the trainer pushes them: bf16 shards of 32 MiB and their index
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Che
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors header")
     wrong_shape = root / "wrong_shape"
     build_tiny_policy(tokenizer, seed=0).save_pretrained(wrong_shape, safe_serialization=True)
-    return Checkpoints(root, original, perturbed, corrupt, wrong_shape)
+    write_push(perturbed_model(perturbed), tokenizer, root / "pushed_bf16", dtype=torch.bfloat16,
+               max_shard_bytes=32 << 20)
+    return Checkpoints(root, original, perturbed, corrupt, wrong_shape, root / "pushed_bf16")
+
+
+def perturbed_model(perturbed: Path) -> PreTrainedModel:
+    """SmolLM2 in fp32 with the perturbed checkpoint's weights (its head tied to the embedding again)."""
+    noisy = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    noisy.load_state_dict(load_file(str(perturbed / "model.safetensors")), strict=False)
+    noisy.tie_weights()
+    return noisy
 
 
 @pytest.fixture(scope="module")
@@ -370,9 +383,7 @@ def test_weight_update_through_the_gateway(gateway: httpx.Client, vllm_server: S
     assert loaded.status_code == 200, loaded.text
     assert loaded.json() == {"policy_version": 1, "path": str(checkpoints.perturbed.resolve())}
     after = completion(vllm_server, prompt)
-    noisy = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
-    noisy.load_state_dict(load_file(str(checkpoints.perturbed / "model.safetensors")), strict=False)
-    noisy.tie_weights()
+    noisy = perturbed_model(checkpoints.perturbed)
     stats = check_against_reference(after, reference_logq(noisy, prompt, after.token_ids, SamplingParams()))
     assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs, strict=True)) > 1e-2
     # New trajectories carry the new version.
@@ -408,10 +419,7 @@ def test_a_partial_load_lands_between_turns_of_running_trajectories(gateway: htt
     assert loaded.status_code == 200, loaded.text
     batch = wait_batch(gateway, batch_id)
     assert batch["status"] == "done", batch
-    noisy = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
-    noisy.load_state_dict(load_file(str(checkpoints.perturbed / "model.safetensors")), strict=False)
-    noisy.tie_weights()
-    policies = {old + 1: reference, old + 2: noisy}
+    policies = {old + 1: reference, old + 2: perturbed_model(checkpoints.perturbed)}
     spans = 0
     for traj in batch["trajectories"]:
         versions, mask = traj["token_versions"], traj["loss_mask"]
@@ -435,6 +443,27 @@ def test_a_partial_load_lands_between_turns_of_running_trajectories(gateway: htt
     assert spans >= 1, "no running trajectory took a turn after the load: " + str(
         [(t["finish_reason"], t["loss_mask"].count(0)) for t in batch["trajectories"]])
     assert gateway.post("/v1/policy", json={"path": "original", "version": old + 3}).status_code == 200
+
+
+def test_a_sharded_bf16_push_loads_into_vllm(gateway: httpx.Client, vllm_server: Service, checkpoints: Checkpoints,
+                                            prompt: list[int], reference: PreTrainedModel) -> None:
+    """The trainer's push format: bf16 shards (model-0000i-of-0000N.safetensors, index, no lm_head: tied) read
+    tensor by tensor into the float32 server. Its log-probs are the fp32 forward of the perturbed weights cast to
+    bf16 and back (exact in fp32), within the module's tolerance; the original weights then come back."""
+    index = json.loads((checkpoints.pushed_bf16 / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 5 and "lm_head.weight" not in index["weight_map"]
+    assert gateway.post("/v1/policy", json={"path": "original", "version": 10}).status_code == 200
+    before = completion(vllm_server, prompt)
+    loaded = gateway.post("/v1/policy", json={"path": "pushed_bf16", "version": 11})
+    assert loaded.status_code == 200, loaded.text
+    after = completion(vllm_server, prompt)
+    cast = perturbed_model(checkpoints.perturbed).to(torch.bfloat16).float()
+    stats = check_against_reference(after, reference_logq(cast, prompt, after.token_ids, SamplingParams()))
+    assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs, strict=True)) > 1e-2
+    assert gateway.post("/v1/policy", json={"path": "original", "version": 12}).status_code == 200
+    restored = completion(vllm_server, prompt)
+    assert (restored.token_ids, restored.logprobs) == (before.token_ids, before.logprobs)
+    print("\nbf16 shards vs the bf16-cast reference:", stats)
 
 
 def test_bad_checkpoints_are_refused_and_the_server_keeps_serving(gateway: httpx.Client, vllm_server: Service,

@@ -110,8 +110,9 @@ class Service:
 
 
 def launch(name: str, command: list[str], *, url: str, log: Path,
-           env: Mapping[str, str | None] | None = None) -> Service:
-    """Start `command` with stdout and stderr in `log`; returns at once (see `wait_healthy`).
+           env: Mapping[str, str | None] | None = None, cwd: Path | None = None) -> Service:
+    """Start `command` with stdout and stderr in `log`, in `cwd` (None: this process's); returns at once (see
+    `wait_healthy`).
 
     The child gets this environment with `HF_HUB_OFFLINE=1` and `env` applied on top (a None value removes
     that variable, e.g. a token the parent happens to have set).
@@ -124,7 +125,7 @@ def launch(name: str, command: list[str], *, url: str, log: Path,
             merged[key] = value
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=merged)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=merged, cwd=cwd)
     return Service(name=name, url=url, process=process, log=log)
 
 

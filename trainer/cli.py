@@ -122,6 +122,7 @@ def _sft(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     import json
+    import secrets
 
     from sisrl.trainer.data import load_items
     from sisrl.trainer.evaluate import evaluate, export_hf, gateway_note
@@ -142,9 +143,13 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{settings.describe()}; {note}", file=sys.stderr)
     client.push_policy(hf_dir.resolve(), version)
     v = settings.values
-    result = evaluate(client, items, run=f"eval-{hf_dir.parent.name}", step=version, version=version,
-                      cfg=settings.rollout(args.gateway_url), k=int(v["logprobs_k"]), seed=int(v["seed"]),
-                      temperature=float(v["temperature"]))
+    run = f"eval-{hf_dir.parent.name}"
+    # A key of its own: an earlier eval's (run, step) key on this gateway's store, of another checkpoint with the
+    # same step or of other settings, would get its stored batch back, or a 409. Within this call a gateway
+    # restart still resumes the batch (same body, same key).
+    result = evaluate(client, items, run=run, step=version, version=version, cfg=settings.rollout(args.gateway_url),
+                      k=int(v["logprobs_k"]), seed=int(v["seed"]), temperature=float(v["temperature"]),
+                      key=f"{run}-eval:{version}:{secrets.token_hex(8)}")
     for key, value in result.items():
         print(f"{key:32s} {value:8.4f}")
     return 0

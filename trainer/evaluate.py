@@ -89,6 +89,7 @@ class EvalSettings:
     run_file: Path | None  # the run config followed; None when no sisrl-train run wrote the checkpoint
     run_dir: Path | None  # the run's directory (where GATEWAY_FILE lies)
     protocol: dict[str, Any] = field(default_factory=dict)  # the run's PROTOCOL_KEYS it sets (empty: the defaults)
+    defaults_name: str = "the defaults"  # what stands in for a value no flag and no run config gives
 
     def rollout(self, gateway_url: str) -> RolloutConfig:
         """The rollout section `evaluate` sends (it sets one sample per question and the temperature)."""
@@ -99,18 +100,22 @@ class EvalSettings:
     def describe(self) -> str:
         """One line: each value and its source (`max_turns=3 (run) ... seed=2 (flag) ...`) and the run's file."""
         shown = " ".join(f"{name}={value} ({self.sources[name]})" for name, value in self.values.items())
-        origin = f"the run's config {self.run_file}" if self.run_file else "no run config found: the defaults"
+        origin = f"the run's config {self.run_file}" if self.run_file else f"no run config found: {self.defaults_name}"
         fmt = "the run's prompt and observation format" if self.protocol else "the default prompt format"
         return f"eval: {shown} samples_per_item=1; unset flags from {origin}; {fmt}"
 
 
-def eval_settings(checkpoint: Path, flags: dict[str, Any]) -> EvalSettings:
-    """Each FOLLOWED setting from its flag when given (not None), else from the run that wrote `checkpoint`, else
-    the default; temperature from its flag, else 0 (greedy, as the trainer's own evaluation)."""
-    found = run_config(checkpoint)
+def eval_settings(checkpoint: Path | None, flags: dict[str, Any], *, defaults: dict[str, Any] | None = None,
+                  defaults_name: str = "the defaults") -> EvalSettings:
+    """Each FOLLOWED setting from its flag when given (not None), else from the run that wrote `checkpoint` (None:
+    no checkpoint, no run), else from `defaults` (a dumped TrainConfig, e.g. the demo's; None: TrainConfig's own
+    defaults, named `defaults_name` in `describe`); temperature from its flag, else 0 (greedy, as the trainer's
+    own evaluation)."""
+    found = run_config(checkpoint) if checkpoint is not None else None
     run = found[0] if found else {}
-    defaults = {"rollout": RolloutConfig().model_dump(), "algorithm": AlgorithmConfig().model_dump(),
-                "seed": TrainConfig.model_fields["seed"].default}
+    if defaults is None:
+        defaults = {"rollout": RolloutConfig().model_dump(), "algorithm": AlgorithmConfig().model_dump(),
+                    "seed": TrainConfig.model_fields["seed"].default}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, key in FOLLOWED.items():
@@ -121,8 +126,8 @@ def eval_settings(checkpoint: Path, flags: dict[str, Any]) -> EvalSettings:
     temperature = flags.get("temperature")
     values["temperature"] = 0.0 if temperature is None else temperature
     sources["temperature"] = "flag" if temperature is not None else "default: greedy, as the trainer's eval"
-    if found is None:
-        return EvalSettings(values=values, sources=sources, run_file=None, run_dir=None)
+    if found is None or checkpoint is None:
+        return EvalSettings(values=values, sources=sources, run_file=None, run_dir=None, defaults_name=defaults_name)
     run_file = found[1]  # RUN_DIR/config.json, or RUN_DIR/checkpoints/step_N/trainer_state.json
     run_dir = run_file.parent if run_file.name == "config.json" else checkpoint.parent.parent
     default = RolloutConfig().model_dump()
@@ -143,15 +148,27 @@ def record_gateway(run_dir: Path, rollout: dict[str, Any] | None) -> None:
     write_json(path, rollout)
 
 
+def recorded_gateway(run_dir: Path | None) -> dict[str, Any] | None:
+    """The gateway settings a run recorded (RUN_DIR/gateway.json, `record_gateway`); None where there are none."""
+    path = run_dir / GATEWAY_FILE if run_dir is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def gateway_flags(rollout: dict[str, Any]) -> list[str]:
+    """The `sisrl-gateway serve` flags that start a gateway with these settings: each /health `rollout` key is
+    the GatewaySettings field of that name (`{"topk": 2}` -> `--topk 2`)."""
+    return [arg for key, value in rollout.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+
+
 def gateway_note(run_dir: Path | None, rollout: dict[str, Any] | None) -> str:
     """What the eval line says of the gateway's own settings (`rollout` from its /health) against the run's."""
     if rollout is None:
         return "the gateway reports no rollout settings (passages per search, budgets): not compared"
     shown = " ".join(f"{key}={value}" for key, value in rollout.items())
-    path = run_dir / GATEWAY_FILE if run_dir is not None else None
-    if path is None or not path.is_file():
+    recorded = recorded_gateway(run_dir)
+    if recorded is None:
         return f"gateway (set at its start, not per request): {shown}; the run recorded none to compare"
-    changed = _differences(json.loads(path.read_text()), rollout)
+    changed = _differences(recorded, rollout)
     if not changed:
         return f"gateway (set at its start, not per request): {shown}, as in the run"
     return (f"gateway (set at its start, not per request): {shown}; NOT as in the run: {'; '.join(changed)} "
@@ -178,11 +195,12 @@ def em_by_source(trajs: list[Trajectory]) -> dict[str, float]:
 
 
 def evaluate(client: GatewayClient, items: list[QAItem], *, run: str, step: int, version: int, cfg: RolloutConfig,
-             k: int, seed: int, temperature: float = 0.0) -> dict[str, float]:
+             k: int, seed: int, temperature: float = 0.0, key: str | None = None) -> dict[str, float]:
     """One sample per question (greedy at temperature 0) from the policy the gateway serves now; EM / F1 per
-    data source."""
+    data source. `key`: the batch's idempotency key (default `RUN-eval:STEP`, which a resumed run's repeated
+    evaluation reuses, getting the stored batch back)."""
     eval_cfg = cfg.model_copy(update={"samples_per_prompt": 1, "temperature": temperature})
     body = client.rollout_body(run=f"{run}-eval", step=step, policy_version=version, items=items, cfg=eval_cfg, k=k,
-                               seed=seed)
+                               seed=seed, key=key)
     batch_id = client.submit_body(body)  # with its body, `wait` resumes the batch if the gateway restarts
     return em_by_source(client.wait_arrow(batch_id, timeout_s=cfg.timeout_s, poll_s=cfg.poll_interval_s, body=body))

@@ -84,12 +84,24 @@ def test_eval_names_gateway_settings_that_differ_from_the_run(tmp_path: Path,
     gateway's (RUN_DIR/gateway.json), and eval names each one its gateway sets otherwise."""
     import json
 
-    from sisrl.trainer.evaluate import GATEWAY_FILE, gateway_note, record_gateway
+    from sisrl.services.cli import build_parser as gateway_parser
+    from sisrl.trainer.evaluate import (
+        GATEWAY_FILE,
+        gateway_flags,
+        gateway_note,
+        record_gateway,
+        recorded_gateway,
+    )
 
     trained = {"topk": 3, "observation_max_tokens": 512, "max_response_tokens": 2048, "format_weight": 0.0}
     assert gateway_note(tmp_path, trained).endswith("the run recorded none to compare")
+    assert recorded_gateway(tmp_path) is None and recorded_gateway(None) is None
     record_gateway(tmp_path, trained)
     assert json.loads((tmp_path / GATEWAY_FILE).read_text()) == trained
+    # crossworld starts its gateway with the recorded settings: each key is a `sisrl-gateway serve` flag
+    assert recorded_gateway(tmp_path) == trained
+    serve = gateway_parser().parse_args(["serve", *gateway_flags(trained)])
+    assert {key: getattr(serve, key) for key in trained} == trained
     assert gateway_note(tmp_path, trained) == ("gateway (set at its start, not per request): topk=3 "
                                                "observation_max_tokens=512 max_response_tokens=2048 "
                                                "format_weight=0.0, as in the run")

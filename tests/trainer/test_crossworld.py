@@ -21,6 +21,7 @@ def test_the_teacher_then_a_checkpoint_on_an_unseen_world(tmp_path: Path) -> Non
     teacher = json.loads((workdir / "eval.json").read_text())
     assert teacher["seed"] == 7 and set(teacher["em_by_source"]) == {"nq", "hotpotqa"}
     assert teacher["em"] >= 0.5 and teacher["searches_per_traj"] >= 1.0
+    assert (teacher["settings"]["max_turns"], teacher["settings"]["max_new_tokens"]) == (3, 24)  # the demo's
     train_world = write_demo_data(tmp_path / "w0", seed=0, people=15, towns=4)["corpus"].read_text()
     assert (workdir / "data" / "corpus.jsonl").read_text() != train_world  # other people, other facts
 
@@ -36,6 +37,6 @@ def test_the_teacher_then_a_checkpoint_on_an_unseen_world(tmp_path: Path) -> Non
     assert main(argv) == 0
     result = json.loads((workdir / "eval.json").read_text())
     assert (workdir / "index" / "manifest.json").stat().st_mtime_ns == index_built
-    assert result["policy"] == str(ckpt)
+    assert result["policy"] == str(ckpt) and result["settings"]["max_turns"] == 1  # the flag wins
     # six random tokens in one turn cannot search or answer: a replay of the teacher's batch would
     assert result["searches_per_traj"] == 0.0 and result["em"] == 0.0, result

@@ -562,7 +562,8 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
         resolved = [r for r, e in diffs if abs(e["sis_minus"]) > e["sis_minus_ci"] > 0]
         s2 = ("SIS minus each baseline there, paired over seeds: " + ", ".join(
             f"{r} {e['sis_minus']:+.3f} ± {e['sis_minus_ci']:.3f}" for r, e in diffs) + "; "
-            + (f"the 95 % interval excludes 0 against {', '.join(resolved)}." if resolved
+            + ("one seed, so no interval: a first look, not a ranking." if top["seeds"] < 2
+               else f"the 95 % interval excludes 0 against {', '.join(resolved)}." if resolved
                else "no interval excludes 0, so no ratio is ranked against SIS there."))
     else:
         s2 = "No baseline shares SIS's cell and seeds yet, so no paired difference."
@@ -643,7 +644,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = load_rows(ledger, eval_dtype(args)) if args.report else run_cells(args, cells, seeds, ledger, splits)
     keys = {c.key for c in cells}
-    report(args, [r for r in rows if r["key"] in keys and r["seed"] in seeds], note)
+    kept = [r for r in rows if r["key"] in keys and r["seed"] in seeds]
+    report(args, kept, f"{note}; {len(kept)} of the {len(cells) * len(seeds)} planned runs done")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def test_the_bench_pushes_both_ways_and_writes_its_record(tmp_path: Path) -> Non
     params, embedding = param_counts("tiny")
     # bf16 is half of fp32, up to the safetensors headers; under FSDP2 the old path also wrote the tied head
     for mode, ratio in (("single", 2.0), ("fsdp2", 2.0 * (params + embedding) / params)):
-        assert abs(old[f"tiny_{mode}_weight_mb"] / new[f"tiny_{mode}_weight_mb"] - ratio) < 0.05, mode
+        # MB are rounded to 0.1 in the record: a tiny model's ratio is only that exact
+        assert abs(old[f"tiny_{mode}_weight_mb"] - ratio * new[f"tiny_{mode}_weight_mb"]) <= 0.05 + 0.05 * ratio, mode
         assert new[f"tiny_{mode}_push_s"] > 0 and old[f"tiny_{mode}_push_s"] > 0
     rows = record["table"]["rows"]
     assert [r[2] for r in rows] == ["old, one process", "new, one process", "old, 2-rank FSDP2", "new, 2-rank FSDP2",

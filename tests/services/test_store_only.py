@@ -43,7 +43,7 @@ def test_starts_without_loading_torch_or_a_model(started: Any) -> None:
     health = httpx.get(f"{service.url}/health").json()
     assert health == {"status": "ok", "policy_version": None, "engine": "store-only", "inflight_trajectories": 0,
                       "load_granularity": None, "store_only": True, "token_required": False,
-                      "rollout": None}
+                      "rollout": None, "weights_dtype": None}
     maps = Path(f"/proc/{service.process.pid}/maps")
     if sys.platform.startswith("linux") and maps.is_file():  # what the process mapped: no torch library, no model
         assert "libtorch" not in maps.read_text()

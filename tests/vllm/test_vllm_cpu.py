@@ -445,6 +445,9 @@ def test_a_partial_load_lands_between_turns_of_running_trajectories(gateway: htt
     assert gateway.post("/v1/policy", json={"path": "original", "version": old + 3}).status_code == 200
 
 
+@pytest.mark.xfail(strict=True, reason="open (issue 44): vLLM loads the bf16 shards (200, log-probs move) but they "
+                   "differ from the bf16-cast fp32 reference by ~2e-3 (sampled) / ~1e-2 (top-K), above LOGPROB_TOL; "
+                   "first run 2026-12-07, cause not found yet")
 def test_a_sharded_bf16_push_loads_into_vllm(gateway: httpx.Client, vllm_server: Service, checkpoints: Checkpoints,
                                             prompt: list[int], reference: PreTrainedModel) -> None:
     """The trainer's push format: bf16 shards (model-0000i-of-0000N.safetensors, index, no lm_head: tied) read

@@ -8,11 +8,13 @@ peak RSS is its own), against a fresh gateway (whose peak RSS, VmHWM, is reporte
 
 - JSON (the path before issue 44, the baseline): `GET /v1/batches/{id}` -> `Trajectory.from_json` -> the JSON
   broadcast bytes ranks exchanged (encoded and decoded once) -> `batch.collate`.
-- Arrow (the trainer's path now): `GET /v1/batches/{id}/trajectories.arrow` pages, checked -> `Trajectory` ->
-  the Arrow IPC broadcast bytes (encoded and decoded once) -> `arrow_batch.collate_arrow`.
+- Arrow (the trainer's path now): `GET /v1/batches/{id}/trajectories.arrow` pages, checked -> `Trajectory` views
+  of the pages -> the Arrow IPC broadcast bytes (encoded and decoded once) -> `arrow_batch.collate_trajectories`.
 
 Both must give the same tensors (their SHA-256 is compared). Figures: bytes on the wire (response bodies), seconds
-per stage and in all, peak RSS of the trainer process and of the gateway.
+per stage and in all, peak RSS of the trainer process and of the gateway, and the trainer's peak above its RSS
+after imports against the collated tensors' own bytes (the issue's "<= 2x the tensors"). The Arrow bytes of each
+column (zstd-compressed, per response token) show where the wire bytes go.
 
     .venv/bin/python bench/data_plane.py                        # 256 trajectories, 2k budget, K = 20
     .venv/bin/python bench/data_plane.py --trajectories 2560   # the recipe's step (512 prompts x 5 samples)
@@ -85,12 +87,11 @@ def worker(path: str, url: str, k: int, page_size: int) -> dict[str, Any]:
     """One path in this (child) process: seconds per stage, bytes on the wire, peak RSS, the tensors' hash."""
     import httpx
     from sisrl.trainer.arrow_batch import (
-        collate_arrow,
+        collate_trajectories,
         decode_page,
         fetch_trajectories,
         page_trajectories,
         trajectories_from_ipc,
-        trajectories_to_batch,
         trajectories_to_ipc,
     )
     from sisrl.trainer.batch import Trajectory, collate
@@ -111,7 +112,8 @@ def worker(path: str, url: str, k: int, page_size: int) -> dict[str, Any]:
         else:
             resp = http.get(f"/v1/batches/{BATCH}/trajectories.arrow", params={"limit": 1})
             one = page_trajectories(decode_page(resp.content, resp.headers, batch_id=BATCH, offset=0))
-            collate_arrow(trajectories_to_batch(trajectories_from_ipc(trajectories_to_ipc(one))), pad_id=0, k=k)
+            collate_trajectories(trajectories_from_ipc(trajectories_to_ipc(one)), pad_id=0, k=k)
+            del one, resp
         wire = 0
         t0 = time.perf_counter()
         if path == "json":
@@ -122,19 +124,46 @@ def worker(path: str, url: str, k: int, page_size: int) -> dict[str, Any]:
     if path == "json":  # the broadcast bytes before issue 44 (trainer/batch.py's trajectories_to_bytes)
         raw = json.dumps([t.to_json() for t in trajs]).encode()
         trajs = [Trajectory.from_json(o) for o in json.loads(raw.decode())]
-    else:
+    else:  # as loop._rollouts: rank 0 encodes what it keeps, every rank decodes; the bytes go before collate
         raw = trajectories_to_ipc(trajs)
         trajs = trajectories_from_ipc(raw)
+    broadcast_bytes = len(raw)
+    del raw
     t2 = time.perf_counter()
-    b = collate(trajs, pad_id=0, k=k) if path == "json" else collate_arrow(trajectories_to_batch(trajs), pad_id=0, k=k)
+    b = collate(trajs, pad_id=0, k=k) if path == "json" else collate_trajectories(trajs, pad_id=0, k=k)
     t3 = time.perf_counter()
-    digest = hashlib.sha256()
-    for name in ("input_ids", "attention_mask", "response_ids", "mask", "logq", "topk_ids", "topk_logq", "rewards"):
-        digest.update(getattr(b, name).numpy().tobytes())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    digest, tensor_bytes = hashlib.sha256(), 0
+    for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",
+                 "topk_logq", "rewards"):
+        tensor = getattr(b, name)
+        tensor_bytes += tensor.numel() * tensor.element_size()
+        if name != "position_ids":
+            digest.update(tensor.numpy().tobytes())
+    extra_mb = peak - rss0 / 1024
     return {"fetch_s": t1 - t0, "broadcast_s": t2 - t1, "collate_s": t3 - t2, "total_s": t3 - t0,
-            "wire_bytes": wire, "broadcast_bytes": len(raw), "peak_rss_mb": resource.getrusage(
-                resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_imports_mb": rss0 / 1024,
+            "wire_bytes": wire, "broadcast_bytes": broadcast_bytes, "peak_rss_mb": peak,
+            "rss_after_imports_mb": rss0 / 1024, "peak_above_imports_mb": extra_mb,
+            "tensors_mb": tensor_bytes / 2**20, "peak_over_tensors": extra_mb / (tensor_bytes / 2**20),
             "tensors_sha256": digest.hexdigest()}
+
+
+def column_bytes(url: str, k: int, page_size: int) -> dict[str, float]:
+    """zstd-compressed Arrow bytes of each column of the batch's first page, per response token of that page."""
+    import httpx
+    import pyarrow as pa
+    from sisrl.common import arrow_wire
+    from sisrl.trainer.arrow_batch import decode_page
+
+    resp = httpx.get(f"{url}/v1/batches/{BATCH}/trajectories.arrow", params={"limit": page_size}, timeout=600)
+    page = decode_page(resp.content, resp.headers, batch_id=BATCH, offset=0)
+    tokens = int(pa.compute.sum(page.column("response_ids").value_lengths()).as_py())
+    out = {}
+    for name in page.schema.names:
+        one = pa.RecordBatch.from_arrays([page.column(name)], names=[name])
+        out[name] = round(len(arrow_wire.to_stream(one)) / tokens, 2)
+    out["page"] = round(len(resp.content) / tokens, 2)
+    return out
 
 
 def run_path(path: str, db_url: str, k: int, page_size: int, workdir: Path) -> dict[str, Any]:
@@ -151,6 +180,8 @@ def run_path(path: str, db_url: str, k: int, page_size: int, workdir: Path) -> d
         status = Path(f"/proc/{gateway.process.pid}/status")
         hwm = [line for line in status.read_text().splitlines() if line.startswith("VmHWM")] if status.exists() else []
         out["gateway_peak_rss_mb"] = int(hwm[0].split()[1]) / 1024 if hwm else None
+        if path == "arrow":
+            out["column_bytes_per_token"] = column_bytes(gateway.url, k, page_size)
         return out
     finally:
         gateway.stop()
@@ -163,6 +194,11 @@ def main() -> None:
     p.add_argument("--k", type=int, default=20, help="behaviour top-K per token")
     p.add_argument("--page-size", type=int, default=64, help="trajectories per Arrow page")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paths", nargs="+", choices=("json", "arrow"), default=["json", "arrow"],
+                   help="paths to run (the JSON path of a 2,560-trajectory step needs ~25 GB between gateway and "
+                        "trainer; --paths arrow measures the new path alone)")
+    p.add_argument("--results-dir", type=Path, default=None, help="record folder (default: bench/results)")
+    p.add_argument("--note", default="", help="a sentence for the record's notes (say if the CPU was shared)")
     p.add_argument("--worker", choices=("json", "arrow"), help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -172,40 +208,54 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="data_plane-") as tmp:
         db_url = f"sqlite:///{Path(tmp) / 'rollouts.db'}"
         tokens = fill_store(db_url, n=args.trajectories, budget=args.budget, k=args.k, seed=args.seed)
-        res = {path: run_path(path, db_url, args.k, args.page_size, Path(tmp)) for path in ("json", "arrow")}
-    if res["json"]["tensors_sha256"] != res["arrow"]["tensors_sha256"]:
+        if "arrow" not in args.paths:
+            raise SystemExit("bench/data_plane.py: --paths must include arrow (the path the record is about)")
+        res = {path: run_path(path, db_url, args.k, args.page_size, Path(tmp)) for path in args.paths}
+    if "json" in res and res["json"]["tensors_sha256"] != res["arrow"]["tensors_sha256"]:
         raise SystemExit("bench/data_plane.py: the JSON and Arrow paths gave different tensors; no record written")
     report(args, tokens, res)
 
 
 def report(args: argparse.Namespace, tokens: int, res: dict[str, dict[str, Any]]) -> None:
     keys = ("wire_bytes", "broadcast_bytes", "fetch_s", "broadcast_s", "collate_s", "total_s", "peak_rss_mb",
-            "gateway_peak_rss_mb")
-    rows = [[key, round(res["json"][key], 3), round(res["arrow"][key], 3),
-             round(res["json"][key] / max(res["arrow"][key], 1e-9), 2)] for key in keys]
+            "gateway_peak_rss_mb", "peak_above_imports_mb", "tensors_mb", "peak_over_tensors")
+    arrow, json_ = res["arrow"], res.get("json")
+    memory = (f"the trainer's peak rose {arrow['peak_above_imports_mb']:.0f} MB above its RSS after imports, "
+              f"{arrow['peak_over_tensors']:.2f}x the collated tensors' {arrow['tensors_mb']:.0f} MB")
+    if json_ is not None:
+        rows = [[key, round(json_[key], 3), round(arrow[key], 3), round(json_[key] / max(arrow[key], 1e-9), 2)]
+                for key in keys]
+        columns = ["figure", "JSON", "Arrow", "JSON / Arrow"]
+        summary = (f"Arrow pages reach the same tensors {json_['total_s'] / arrow['total_s']:.1f}x faster than "
+                   f"JSON, with {json_['wire_bytes'] / arrow['wire_bytes']:.1f}x fewer bytes on the wire and "
+                   f"{json_['gateway_peak_rss_mb'] / arrow['gateway_peak_rss_mb']:.1f}x less gateway memory; "
+                   f"{memory} (JSON: {json_['peak_over_tensors']:.2f}x).")
+        baseline = {"what": "the JSON path (GET /v1/batches/{id}, JSON broadcast, batch.collate), same run",
+                    "figures": {key: json_[key] for key in keys}}
+    else:
+        rows = [[key, round(arrow[key], 3)] for key in keys]
+        columns = ["figure", "Arrow"]
+        summary = f"the Arrow path only (--paths arrow): {memory}, in {arrow['total_s']:.1f} s."
+        baseline = {"what": "the collated tensors' own size, same run (the target: peak above imports <= 2x it)",
+                    "figures": {"tensors_mb": arrow["tensors_mb"]}}
     print(f"{args.trajectories} trajectories, {tokens} response tokens, K = {args.k}")  # noqa: T201
-    print("| figure | JSON | Arrow | JSON / Arrow |\n|---|---|---|---|")  # noqa: T201
+    print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")  # noqa: T201
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")  # noqa: T201
-    ratio = res["json"]["total_s"] / res["arrow"]["total_s"]
     write_record(
         bench="data_plane", title="Data plane: a stored batch to the update's tensors, JSON vs Arrow",
         measures="One step's batch from a real SQLite rollout store through a real store-only gateway over "
                  "loopback HTTP to the padded tensors: fetch and parse, the broadcast bytes encoded and decoded "
-                 "once, collate; each path in a fresh process against a fresh gateway. Bytes are response bodies.",
-        summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}): Arrow pages reach the "
-                f"same tensors {ratio:.1f}x faster than JSON, with "
-                f"{res['json']['wire_bytes'] / res['arrow']['wire_bytes']:.1f}x fewer bytes on the wire and "
-                f"{res['json']['gateway_peak_rss_mb'] / res['arrow']['gateway_peak_rss_mb']:.1f}x less gateway "
-                f"memory; the trainer's peak ({res['arrow']['peak_rss_mb']:.0f} MB against "
-                f"{res['json']['peak_rss_mb']:.0f} MB) is the batch held as Trajectory lists on both paths.",
-        figures={key: res["arrow"][key] for key in keys},
-        baseline={"what": "the JSON path (GET /v1/batches/{id}, JSON broadcast, batch.collate), same run",
-                  "figures": {key: res["json"][key] for key in keys}},
-        table={"columns": ["figure", "JSON", "Arrow", "JSON / Arrow"], "rows": rows},
+                 "once, collate; each path in a fresh process against a fresh gateway. Bytes are response bodies; "
+                 "peak_over_tensors = (peak RSS - RSS after imports) / the tensors' bytes.",
+        summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}): {summary}",
+        figures={**{key: arrow[key] for key in keys},
+                 **{f"arrow_bytes_per_token_{name}": v for name, v in arrow["column_bytes_per_token"].items()}},
+        baseline=baseline,
+        table={"columns": columns, "rows": rows},
         notes=f"{args.trajectories} trajectories, responses 25-100 % of {args.budget} tokens, 36 % inserted, "
-              f"K = {args.k}, Arrow pages of {args.page_size}; a 2-core machine shared with other jobs, so seconds "
-              "are indicative; tensors of both paths hash the same.")
+              f"K = {args.k}, Arrow pages of {args.page_size}; tensors of both paths hash the same. "
+              + args.note, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

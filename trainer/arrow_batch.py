@@ -2,9 +2,11 @@
 
 At the recipe's size a batch is ~2,560 trajectories x ~2k tokens x (1 + K) log-probs; as JSON that is decimal text
 parsed in Python on every step. Here the gateway's Arrow IPC pages (`GET /v1/batches/{id}/trajectories.arrow`,
-columns in `sisrl.common.arrow_wire`) are checked and read page by page; a trajectory's arrays are sliced from a
-column's values buffer and become lists in C (`ndarray.tolist`), never through a text parser. Rank 0 sends the
-trajectories it keeps to the other ranks as one Arrow IPC stream of the same schema (`trajectories_to_ipc`).
+columns in `sisrl.common.arrow_wire`) are checked and read page by page; a trajectory's arrays are read-only
+views of its page's buffers (no text parser, no per-token Python object), and `collate_trajectories` places them
+into the update's tensors a chunk at a time, so the trainer holds the pages and the tensors, not Python lists.
+Rank 0 sends the trajectories it keeps to the other ranks as one Arrow IPC stream of the same schema
+(`trajectories_to_ipc`).
 
 Fail closed: a page whose body does not match its SHA-256 header, that is cut, has another schema, names another
 batch or offset, or whose row count or per-row lengths disagree, raises GatewayError naming the batch and the
@@ -13,12 +15,10 @@ page; nothing of it is trained on.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -87,26 +87,10 @@ def decode_page(raw: bytes, headers: httpx.Headers | dict[str, str], *, batch_id
 
 
 def page_trajectories(page: pa.RecordBatch) -> list[Trajectory]:
-    """`Trajectory` objects of a checked page (row order kept). Values equal the JSON form's exactly: float32
-    log-probs widen to the same Python floats that their JSON decimal text parses to."""
-    with _gc_paused():
-        return _page_trajectories(page)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """A page makes millions of small lists; each allocation burst starts a cyclic-GC pass that scans every
-    tracked object, most of the decoding time. The lists hold numbers only (no cycles), so collection waits."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _page_trajectories(page: pa.RecordBatch) -> list[Trajectory]:
+    """`Trajectory` objects of a checked page (row order kept). Their per-token fields are read-only numpy views
+    of the page's buffers: no per-token Python object is made, and the page's memory is the batch's only copy
+    until `collate_trajectories` places it. Values equal the JSON form's exactly (float32 log-probs widen to the
+    same Python floats that their JSON decimal text parses to; `Trajectory.__eq__` compares either form)."""
     lists = {name: _ListColumn(page.column(name)) for name in
              ("prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "topk_ids", "topk_logprobs",
               "token_versions")}
@@ -136,20 +120,21 @@ class _ListColumn:
     def __init__(self, column: pa.ListArray) -> None:
         self.offsets = column.offsets.to_numpy()
         self.values = column.values.to_numpy(zero_copy_only=False)
+        self.values.flags.writeable = False  # rows are views: nothing may write through them into the page
         self.valid = None if column.null_count == 0 else column.is_valid().to_numpy(zero_copy_only=False)
 
-    def row(self, i: int, k: int | None = None) -> Any:
-        """Row i as a list; with k, as [T][K] lists (a trajectory with K = 0 has none)."""
+    def row(self, i: int, k: int | None = None) -> np.ndarray:
+        """Row i as a view; with k, as a [T, K] view (a trajectory with K = 0 has a [0, 0] one)."""
         part = self.values[self.offsets[i]:self.offsets[i + 1]]
         if k is None:
-            return part.tolist()
-        return part.reshape(-1, k).tolist() if k else []
+            return part
+        return part.reshape(-1, k) if k else part.reshape(0, 0)
 
     def flat(self) -> np.ndarray:
         """Every row's values, in order (the values buffer between the first and last offset)."""
         return self.values[self.offsets[0]:self.offsets[-1]]
 
-    def row_or_none(self, i: int) -> list[int] | None:
+    def row_or_none(self, i: int) -> np.ndarray | None:
         return None if self.valid is not None and not self.valid[i] else self.row(i)
 
 
@@ -159,36 +144,77 @@ def collate_arrow(page: pa.RecordBatch, *, pad_id: int, k: int) -> RolloutBatch:
     field instead of a Python loop over tokens. Same tensors, bit for bit (tests/services/test_batch_arrow.py),
     and the same refusals: per-row lengths that disagree (`arrow_wire.check_page`), a policy token with fewer
     than `k` recorded top-K entries."""
-    b = page.num_rows
-    if b == 0:
+    if page.num_rows == 0:
         raise ValueError("collate needs at least one trajectory")
     arrow_wire.check_page(page, where="collate")
-    prompt, resp = _ListColumn(page.column("prompt_ids")), _ListColumn(page.column("response_ids"))
-    n_p, n_r = np.diff(prompt.offsets), np.diff(resp.offsets)
-    p, t_len = int(n_p.max()), max(int(n_r.max()), 1)
-    # [tokens] row and column of each prompt token (left-padded) and response token (starting at column P)
-    p_row, p_pos = _row_pos(n_p)
-    r_row, r_pos = _row_pos(n_r)
-    input_ids = np.full((b, p + t_len), pad_id, dtype=np.int64)
-    input_ids[p_row, p - n_p[p_row] + p_pos] = prompt.flat()
-    input_ids[r_row, p + r_pos] = resp.flat()
-    attn = np.zeros((b, p + t_len), dtype=np.int64)
-    attn[p_row, p - n_p[p_row] + p_pos] = 1
-    attn[r_row, p + r_pos] = 1
-    response_ids = np.full((b, t_len), pad_id, dtype=np.int64)
-    response_ids[r_row, r_pos] = resp.flat()
-    logq = np.zeros((b, t_len), dtype=np.float32)
-    logq[r_row, r_pos] = _ListColumn(page.column("behaviour_logprobs")).flat()
-    policy = _ListColumn(page.column("loss_mask")).flat() != 0  # [tokens]
-    mask = np.zeros((b, t_len), dtype=np.float32)
-    mask[r_row[policy], r_pos[policy]] = 1.0
-    topk_ids, topk_logq = _topk_tensors(page, r_row, r_pos, policy, b, t_len, k)
-    position_ids = (torch.from_numpy(attn).cumsum(dim=1) - 1).clamp(min=0)
-    return RolloutBatch(
-        torch.from_numpy(input_ids), torch.from_numpy(attn), position_ids, torch.from_numpy(response_ids),
-        torch.from_numpy(mask), torch.from_numpy(logq), torch.from_numpy(topk_ids), torch.from_numpy(topk_logq),
-        torch.from_numpy(page.column("reward").to_numpy().astype(np.float32)),
-        tuple(page.column("group_id").to_pylist()))
+    n_p = np.diff(page.column("prompt_ids").offsets.to_numpy())
+    n_r = np.diff(page.column("response_ids").offsets.to_numpy())
+    out = _Padded(page.num_rows, int(n_p.max()), max(int(n_r.max()), 1), k, pad_id)
+    out.place(page, 0)
+    return out.batch()
+
+
+def collate_trajectories(trajs: Sequence[Trajectory], *, pad_id: int, k: int,
+                         chunk: int = DEFAULT_PAGE_SIZE) -> RolloutBatch:
+    """`collate_arrow` of `trajs`, `chunk` trajectories at a time into tensors allocated once: the trainer's
+    collate. Besides the tensors, memory holds one chunk's Arrow copy and scatter indices, never the batch
+    twice (the trajectories' own arrays are views of the pages they came in)."""
+    if not trajs:
+        raise ValueError("collate needs at least one trajectory")
+    p = max(len(t.prompt_ids) for t in trajs)
+    t_len = max(max(len(t.response_ids) for t in trajs), 1)
+    out = _Padded(len(trajs), p, t_len, k, pad_id)
+    for start in range(0, len(trajs), chunk):
+        page = trajectories_to_batch(trajs[start:start + chunk])
+        arrow_wire.check_page(page, where=f"collate rows {start}-{start + page.num_rows - 1}")
+        out.place(page, start)
+    return out.batch()
+
+
+class _Padded:
+    """The numpy arrays of a RolloutBatch ([B, P+T] inputs, [B, T] per-token, [B, T, k] top-K), filled page by
+    page (`place`), then wrapped as tensors without a copy (`batch`)."""
+
+    def __init__(self, b: int, p: int, t_len: int, k: int, pad_id: int) -> None:
+        self.p, self.k = p, k
+        self.input_ids = np.full((b, p + t_len), pad_id, dtype=np.int64)
+        self.attn = np.zeros((b, p + t_len), dtype=np.int64)
+        self.response_ids = np.full((b, t_len), pad_id, dtype=np.int64)
+        self.logq = np.zeros((b, t_len), dtype=np.float32)
+        self.mask = np.zeros((b, t_len), dtype=np.float32)
+        self.topk_ids = np.zeros((b, t_len, k), dtype=np.int64)
+        self.topk_logq = np.zeros((b, t_len, k), dtype=np.float32)
+        self.rewards = np.zeros(b, dtype=np.float32)
+        self.group_ids: list[str] = [""] * b
+
+    def place(self, page: pa.RecordBatch, row0: int) -> None:
+        """Rows row0 .. row0 + len(page) - 1 from a checked page (its prompts and responses fit P and T)."""
+        p = self.p
+        prompt, resp = _ListColumn(page.column("prompt_ids")), _ListColumn(page.column("response_ids"))
+        n_p, n_r = np.diff(prompt.offsets), np.diff(resp.offsets)
+        # [tokens] row and column of each prompt token (left-padded) and response token (starting at column P)
+        p_row, p_pos = _row_pos(n_p)
+        r_row, r_pos = _row_pos(n_r)
+        p_col = p - n_p[p_row] + p_pos
+        self.input_ids[p_row + row0, p_col] = prompt.flat()
+        self.attn[p_row + row0, p_col] = 1
+        self.input_ids[r_row + row0, p + r_pos] = resp.flat()
+        self.attn[r_row + row0, p + r_pos] = 1
+        self.response_ids[r_row + row0, r_pos] = resp.flat()
+        self.logq[r_row + row0, r_pos] = _ListColumn(page.column("behaviour_logprobs")).flat()
+        policy = _ListColumn(page.column("loss_mask")).flat() != 0  # [tokens]
+        self.mask[r_row[policy] + row0, r_pos[policy]] = 1.0
+        _place_topk(page, r_row, r_pos, policy, self.topk_ids, self.topk_logq, row0, self.k)
+        self.rewards[row0:row0 + page.num_rows] = page.column("reward").to_numpy()
+        self.group_ids[row0:row0 + page.num_rows] = page.column("group_id").to_pylist()
+
+    def batch(self) -> RolloutBatch:
+        attn = torch.from_numpy(self.attn)
+        position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+        return RolloutBatch(
+            torch.from_numpy(self.input_ids), attn, position_ids, torch.from_numpy(self.response_ids),
+            torch.from_numpy(self.mask), torch.from_numpy(self.logq), torch.from_numpy(self.topk_ids),
+            torch.from_numpy(self.topk_logq), torch.from_numpy(self.rewards), tuple(self.group_ids))
 
 
 def _row_pos(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,10 +224,10 @@ def _row_pos(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, np.arange(int(lengths.sum())) - starts[rows]
 
 
-def _topk_tensors(page: pa.RecordBatch, r_row: np.ndarray, r_pos: np.ndarray, policy: np.ndarray, b: int,
-                  t_len: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """[B, T, k] top-K ids (int64) and log-probs (float32): the first k of each policy token's recorded row,
-    zeros at inserted tokens and padding."""
+def _place_topk(page: pa.RecordBatch, r_row: np.ndarray, r_pos: np.ndarray, policy: np.ndarray,
+                topk_ids: np.ndarray, topk_logq: np.ndarray, row0: int, k: int) -> None:
+    """Into [B, T, k] top-K ids (int64) and log-probs (float32) at rows row0 ..: the first k of each policy
+    token's recorded row (inserted tokens and padding keep their zeros)."""
     k_row = page.column("topk_k").to_numpy().astype(np.int64)
     short = policy & (k_row[r_row] < k)
     if short.any():
@@ -211,14 +237,11 @@ def _topk_tensors(page: pa.RecordBatch, r_row: np.ndarray, r_pos: np.ndarray, po
                          f"row of {int(k_row[row])} entries, fewer than K={k} (algorithm.logprobs_k); ask the "
                          f"gateway for sampling.logprobs_k >= {k}")
     rows, cols = r_row[policy], r_pos[policy]
-    topk_ids = np.zeros((b, t_len, k), dtype=np.int64)
-    topk_logq = np.zeros((b, t_len, k), dtype=np.float32)
     for out, name in ((topk_ids, "topk_ids"), (topk_logq, "topk_logprobs")):
         col = _ListColumn(page.column(name))
         # [policy tokens, k] index of each kept entry in the values buffer: row start + token * K_row + j
         start = col.offsets[rows].astype(np.int64) + cols * k_row[rows]
-        out[rows, cols] = col.values[start[:, None] + np.arange(k)[None, :]]
-    return topk_ids, topk_logq
+        out[rows + row0, cols] = col.values[start[:, None] + np.arange(k)[None, :]]
 
 
 # ---- rank 0 -> other ranks -------------------------------------------------------------------------------------
@@ -255,7 +278,7 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
 def _topk_block(t: Trajectory) -> tuple[int, np.ndarray, np.ndarray]:
     """K and the [T, K] top-K arrays of `t`. A token the environment inserted may carry an empty row (nothing was
     sampled there); it becomes K zeros, which `collate` never reads (mask 0). A policy token's row must hold K."""
-    if not t.topk_ids:
+    if len(t.topk_ids) == 0:
         return 0, np.zeros(0, np.int32), np.zeros(0, np.float32)
     try:  # the common case, a rectangular block: no per-token Python
         ids, lps = np.asarray(t.topk_ids, np.int32), np.asarray(t.topk_logprobs, np.float32)

@@ -10,32 +10,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+# A per-token field: a list (the JSON form, trajectories built in Python) or a read-only numpy view of an Arrow
+# page's buffer (`trainer/arrow_batch.py`: the trainer's path, no per-token Python objects).
+Ints = list[int] | np.ndarray
+Floats = list[float] | np.ndarray
+Rows = list[list[int]] | list[list[float]] | np.ndarray  # [T][K]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class Trajectory:
-    """One trajectory as the gateway records it (fields this trainer reads; wire names kept)."""
+    """One trajectory as the gateway records it (fields this trainer reads; wire names kept). Two trajectories
+    are equal when every field holds the same values, whichever form (list or array) holds them."""
 
     id: str
     item_id: str
     group_id: str
     data_source: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]  # [T] 1 = sampled by the policy, 0 = inserted by the environment
-    behaviour_logprobs: list[float]  # [T] log q(y_t)
-    topk_ids: list[list[int]]  # [T][K]
-    topk_logprobs: list[list[float]]  # [T][K]
+    prompt_ids: Ints
+    response_ids: Ints
+    loss_mask: Ints  # [T] 1 = sampled by the policy, 0 = inserted by the environment
+    behaviour_logprobs: Floats  # [T] log q(y_t)
+    topk_ids: Rows  # [T][K]
+    topk_logprobs: Rows  # [T][K]
     reward: float
     reward_parts: dict[str, float] = field(default_factory=dict)  # em, f1, format
     turns: list[Any] = field(default_factory=list)
     finish_reason: str = ""
     answer: str | None = None
     policy_version: int = 0  # version that sampled the first token
-    token_versions: list[int] | None = None  # [T] version that sampled each token (-1 inserted); None = all policy_version
+    token_versions: Ints | None = None  # [T] version that sampled each token (-1 inserted); None = all policy_version
     error: str | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return all(plain(getattr(self, f.name)) == plain(getattr(other, f.name)) for f in fields(self))
+
+    @property
+    def policy_tokens(self) -> int:
+        """How many response tokens the policy sampled (loss mask 1)."""
+        return int(np.count_nonzero(np.asarray(self.loss_mask)))
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> Trajectory:
@@ -57,7 +75,12 @@ class Trajectory:
         return Trajectory(**kept)
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
+
+
+def plain(value: Any) -> Any:
+    """`value` with numpy arrays as (nested) Python lists, as JSON holds it."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 # Fields a trajectory must carry to be trained on (`from_json`); the loss mask first: its message is the oldest.

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 from sisrl.common.atomic import sweep_temps
 from sisrl.trainer.arrow_batch import (
-    collate_arrow,
+    collate_trajectories,
     trajectories_from_ipc,
-    trajectories_to_batch,
     trajectories_to_ipc,
 )
 from sisrl.trainer.batch import Trajectory
@@ -240,9 +239,9 @@ def run_step(cfg: TrainConfig, s: Session) -> dict[str, float]:
     metrics: dict[str, float] = {}
     train_tokens = 0.0
     if trajs:
-        # batch.collate's tensors, placed by numpy scatters instead of a Python loop over tokens
-        b = collate_arrow(trajectories_to_batch(trajs), pad_id=int(s.tokenizer.pad_token_id),
-                          k=cfg.algorithm.logprobs_k).to(s.ctx.device)
+        # batch.collate's tensors, placed by numpy scatters a page at a time instead of a Python loop over tokens
+        b = collate_trajectories(trajs, pad_id=int(s.tokenizer.pad_token_id),
+                                 k=cfg.algorithm.logprobs_k).to(s.ctx.device)
         train_tokens = float(b.mask.sum())
         metrics = mean_over_ranks(train_on_batch(s.updater, b, s.generator, records), s.ctx)
         if records and cfg.sis_records and isinstance(s.source, GatewaySource):

@@ -13,8 +13,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from sisrl.common.atomic import write_text
-from sisrl.trainer.batch import Trajectory
+from sisrl.trainer.batch import Trajectory, plain
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -46,7 +47,7 @@ def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, floa
         vals = [t.reward_parts[part] for t in trajs if part in t.reward_parts]
         if vals:
             out[f"reward/{part}"] = sum(vals) / len(vals)
-    policy_tokens = sum(sum(t.loss_mask) for t in trajs)
+    policy_tokens = sum(t.policy_tokens for t in trajs)
     out["rollout/response_len"] = sum(len(t.response_ids) for t in trajs) / n
     out["rollout/policy_tokens"] = policy_tokens / n
     out["rollout/searches_per_traj"] = sum(_searches(t) for t in trajs) / n
@@ -74,17 +75,18 @@ def staleness_metrics(trajs: list[Trajectory], version: int, records: list[Any] 
     from sisrl.common.wire import SIS_ACCEPTED, SIS_OUTSIDE, SIS_REJECTED
     from sisrl.trainer.pipeline import token_versions
 
-    lags = [[version - v for v in token_versions(t)] for t in trajs]
-    flat = [lag for row in lags for lag in row]
+    lags = [version - token_versions(t) for t in trajs]
+    flat = np.concatenate(lags) if lags else np.zeros(0, dtype=np.int64)
     out: dict[str, float] = {
-        "staleness/lag_mean": sum(flat) / len(flat) if flat else 0.0,
-        "staleness/lag_max": float(max(flat, default=0)),
-        "staleness/multi_version_share": sum(len(set(row)) > 1 for row in lags) / max(len(trajs), 1),
+        "staleness/lag_mean": float(flat.mean()) if len(flat) else 0.0,
+        "staleness/lag_max": float(flat.max()) if len(flat) else 0.0,
+        "staleness/multi_version_share": sum(len(row) > 0 and bool((row != row[0]).any()) for row in lags)
+        / max(len(trajs), 1),
         "staleness/dropped": float(dropped),
     }
-    for bucket in LAG_BUCKETS:
-        out[f"staleness/token_share_lag{bucket}"] = (sum(_bucket(lag) == bucket for lag in flat) / len(flat)
-                                                     if flat else 0.0)
+    buckets = np.clip(flat, 0, len(LAG_BUCKETS) - 1)  # lag 0, 1, 2 or more
+    for i, bucket in enumerate(LAG_BUCKETS):
+        out[f"staleness/token_share_lag{bucket}"] = float((buckets == i).mean()) if len(flat) else 0.0
     if not records:
         return out
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # accepted, decided, |l| sum, rej |l|
@@ -93,14 +95,16 @@ def staleness_metrics(trajs: list[Trajectory], version: int, records: list[Any] 
     rejected_tokens = 0
     for rec in records:
         traj = trajs[rec.row]
-        versions = traj.token_versions or [traj.policy_version if m else -1 for m in traj.loss_mask]
+        versions = (plain(traj.token_versions) if traj.token_versions is not None
+                    else [traj.policy_version if m else -1 for m in plain(traj.loss_mask)])
+        behaviour = plain(traj.behaviour_logprobs)
         status = rec.status.tolist()
         logp = rec.logp.tolist()
         ratio = rec.ratio.tolist()
-        for t, code in enumerate(status[: len(traj.loss_mask)]):
+        for t, code in enumerate(status[: len(behaviour)]):
             if code < 0:
                 continue
-            abs_l = abs(logp[t] - traj.behaviour_logprobs[t])
+            abs_l = abs(logp[t] - behaviour[t])
             cell = acc[_bucket(version - versions[t])]
             cell[0] += code == SIS_ACCEPTED
             cell[1] += 1
@@ -108,7 +112,7 @@ def staleness_metrics(trajs: list[Trajectory], version: int, records: list[Any] 
             if code in (SIS_REJECTED, SIS_OUTSIDE):
                 cell[3] += abs_l
                 rejected_tokens += 1
-            log_q_minus_p.append(traj.behaviour_logprobs[t] - logp[t])
+            log_q_minus_p.append(behaviour[t] - logp[t])
             ratios.append(ratio[t])
     for bucket, (accepted, decided, abs_sum, rej_sum) in acc.items():
         out[f"staleness/accept_rate_lag{bucket}"] = accepted / decided

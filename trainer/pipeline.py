@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from sisrl.trainer.batch import Trajectory
 from sisrl.trainer.config import RolloutConfig
 from sisrl.trainer.data import MixtureSampler
@@ -130,13 +131,16 @@ class RolloutPipeline:
                                                      "batch_id": self.source.client.submit_body(body)}
 
 
-def token_versions(t: Trajectory) -> list[int]:
-    """The policy version of each policy token (loss mask 1) of `t`."""
+def token_versions(t: Trajectory) -> np.ndarray:
+    """The policy version of each policy token (loss mask 1) of `t` (int64)."""
     if t.token_versions is None:
-        return [t.policy_version] * sum(t.loss_mask)
-    return [v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if m]
+        return np.full(t.policy_tokens, t.policy_version, dtype=np.int64)
+    versions, mask = np.asarray(t.token_versions, dtype=np.int64), np.asarray(t.loss_mask)
+    if len(versions) != len(mask):
+        raise ValueError(f"trajectory {t.id}: {len(versions)} token_versions for {len(mask)} tokens")
+    return versions[mask != 0]
 
 
 def within_bound(t: Trajectory, version: int, k: int) -> bool:
     versions = token_versions(t)
-    return all(version - k <= v <= version for v in versions)
+    return bool(((versions >= version - k) & (versions <= version)).all())

@@ -21,12 +21,13 @@ from sisrl.services.schemas import RolloutCreate
 from sisrl.services.schemas import Trajectory as StoredTrajectory
 from sisrl.trainer.arrow_batch import (
     collate_arrow,
+    collate_trajectories,
     decode_page,
     fetch_trajectories,
     page_trajectories,
     trajectories_to_batch,
 )
-from sisrl.trainer.batch import Trajectory, collate
+from sisrl.trainer.batch import Trajectory, collate, plain
 from sisrl.trainer.gateway_client import GatewayClient, GatewayError
 from sqlalchemy import event, update
 
@@ -95,13 +96,14 @@ def test_arrow_and_json_give_the_same_tensors_bit_for_bit(gateway: Any) -> None:
     from_json = _json_trajectories(gateway)
     from_arrow = fetch_trajectories(gateway.client, BATCH, page_size=3)
     assert from_arrow == from_json  # every field, token versions, turns and errors included
-    assert [t.token_versions for t in from_arrow] == [t.token_versions for t in from_json]
-    assert set(from_arrow[3].token_versions or []) == {-1, 3}  # the stored NULL, as `policy_version`
+    assert [plain(t.token_versions) for t in from_arrow] == [t.token_versions for t in from_json]
+    assert set(plain(from_arrow[3].token_versions)) == {-1, 3}  # the stored NULL, as `policy_version`
     whole = gateway.client.get(f"/v1/batches/{BATCH}/trajectories.arrow", params={"limit": N})
     page = decode_page(whole.content, whole.headers, batch_id=BATCH, offset=0)
     b = collate(from_json, pad_id=0, k=K)
     # the trainer's collate of either form, and the vectorised collate of the page itself (k < K: truncation)
     for a in (collate(from_arrow, pad_id=0, k=K), collate_arrow(page, pad_id=0, k=K),
+              collate_trajectories(from_arrow, pad_id=0, k=K, chunk=2),
               collate_arrow(trajectories_to_batch(from_json), pad_id=0, k=K)):
         for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "mask", "logq", "topk_ids",
                      "topk_logq", "rewards"):

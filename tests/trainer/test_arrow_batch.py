@@ -17,6 +17,7 @@ from sisrl.common import arrow_wire
 from sisrl.common.procs import free_port
 from sisrl.trainer.arrow_batch import (
     collate_arrow,
+    collate_trajectories,
     trajectories_from_ipc,
     trajectories_to_batch,
     trajectories_to_ipc,
@@ -43,7 +44,7 @@ def test_a_broadcast_round_trip_keeps_every_field_and_tensor() -> None:
                                                                       behaviour_logprobs=[], topk_ids=[],
                                                                       topk_logprobs=[], token_versions=[])]
     back = trajectories_from_ipc(trajectories_to_ipc(trajs))
-    assert back == trajs
+    assert back == trajs and back != [_traj(0)] + trajs[1:3] + [_traj(3)]
     a, b = collate(back, pad_id=0, k=2), collate(trajs, pad_id=0, k=2)
     for name in ("input_ids", "mask", "logq", "topk_ids", "topk_logq", "rewards"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -52,7 +53,7 @@ def test_a_broadcast_round_trip_keeps_every_field_and_tensor() -> None:
 def test_an_empty_row_at_an_inserted_token_travels_as_zeros_a_short_policy_row_is_refused() -> None:
     ragged = _traj(0, topk_ids=[[7, 3], [], [9, 4]], topk_logprobs=[[-0.125, -3.0], [], [-2.5, -2.75]])
     back = trajectories_from_ipc(trajectories_to_ipc([ragged]))[0]
-    assert back.topk_ids == [[7, 3], [0, 0], [9, 4]] and back.topk_logprobs[1] == [0.0, 0.0]
+    assert back.topk_ids.tolist() == [[7, 3], [0, 0], [9, 4]] and back.topk_logprobs[1].tolist() == [0.0, 0.0]
     assert torch.equal(collate([back], pad_id=0, k=2).topk_logq, collate([ragged], pad_id=0, k=2).topk_logq)
     short = _traj(0, topk_ids=[[7, 3], [0, 0], [9]], topk_logprobs=[[-0.125, -3.0], [0.0, 0.0], [-2.5]])
     with pytest.raises(ValueError, match="trajectory t0: token 2 has a top-K row of 1 ids"):
@@ -92,11 +93,29 @@ def test_the_vectorised_collate_equals_the_loop_bit_for_bit(seed: int) -> None:
                            topk_ids=rng.integers(0, 1000, (n_r, 5)).tolist(),
                            topk_logprobs=(-rng.exponential(2.0, (n_r, 5))).astype(np.float32).tolist(),
                            token_versions=[4] * n_r, reward=float(rng.normal())))
-    a, b = collate_arrow(trajectories_to_batch(trajs), pad_id=7, k=3), collate(trajs, pad_id=7, k=3)
-    for name in FIELDS:
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype and torch.equal(x, y), name
-    assert a.group_ids == b.group_ids
+    b = collate(trajs, pad_id=7, k=3)
+    views = trajectories_from_ipc(trajectories_to_ipc(trajs))  # the trainer's form: numpy views of the page
+    for a in (collate_arrow(trajectories_to_batch(trajs), pad_id=7, k=3),
+              *(collate_trajectories(views, pad_id=7, k=3, chunk=c) for c in (1, 3, 64))):
+        for name in FIELDS:
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert a.group_ids == b.group_ids
+
+
+def test_decoded_trajectories_are_read_only_views_of_the_page_not_python_lists() -> None:
+    """What keeps the trainer's memory at the pages plus the tensors: a decoded trajectory's per-token fields
+    are numpy views sharing one values buffer per column (no per-token Python object), and none is writable."""
+    back = trajectories_from_ipc(trajectories_to_ipc([_traj(0), _traj(1)]))
+    for name in ("prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "topk_ids", "topk_logprobs",
+                 "token_versions"):
+        first, second = getattr(back[0], name), getattr(back[1], name)
+        assert isinstance(first, np.ndarray) and not first.flags.writeable, name
+        assert np.shares_memory(first.base if first.base is not None else first,
+                                second.base if second.base is not None else second), name
+    assert back[0].topk_ids.shape == (3, 2) and back[0].policy_tokens == 2
+    with pytest.raises(ValueError, match="read-only"):
+        back[0].behaviour_logprobs[0] = 0.0
 
 
 def test_the_vectorised_collate_refuses_a_policy_token_short_of_k() -> None:

@@ -91,6 +91,7 @@ def worker(path: str, url: str, k: int, page_size: int) -> dict[str, Any]:
         decode_page,
         fetch_trajectories,
         page_trajectories,
+        release_unused_memory,
         trajectories_from_ipc,
         trajectories_to_ipc,
     )
@@ -129,6 +130,8 @@ def worker(path: str, url: str, k: int, page_size: int) -> dict[str, Any]:
         trajs = trajectories_from_ipc(raw)
     broadcast_bytes = len(raw)
     del raw
+    if path == "arrow":
+        release_unused_memory()
     t2 = time.perf_counter()
     b = collate(trajs, pad_id=0, k=k) if path == "json" else collate_trajectories(trajs, pad_id=0, k=k)
     t3 = time.perf_counter()

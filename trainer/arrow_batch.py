@@ -168,6 +168,8 @@ def collate_trajectories(trajs: Sequence[Trajectory], *, pad_id: int, k: int,
         page = trajectories_to_batch(trajs[start:start + chunk])
         arrow_wire.check_page(page, where=f"collate rows {start}-{start + page.num_rows - 1}")
         out.place(page, start)
+    del page
+    release_unused_memory()
     return out.batch()
 
 
@@ -242,6 +244,12 @@ def _place_topk(page: pa.RecordBatch, r_row: np.ndarray, r_pos: np.ndarray, poli
         # [policy tokens, k] index of each kept entry in the values buffer: row start + token * K_row + j
         start = col.offsets[rows].astype(np.int64) + cols * k_row[rows]
         out[rows + row0, cols] = col.values[start[:, None] + np.arange(k)[None, :]]
+
+
+def release_unused_memory() -> None:
+    """Hand the memory Arrow's allocator (mimalloc or jemalloc) keeps from freed buffers back to the system. The
+    collated tensors come from malloc, so without this a freed broadcast stays in RSS beside them."""
+    pa.default_memory_pool().release_unused()
 
 
 # ---- rank 0 -> other ranks -------------------------------------------------------------------------------------

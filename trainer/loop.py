@@ -26,6 +26,7 @@ import torch
 from sisrl.common.atomic import sweep_temps
 from sisrl.trainer.arrow_batch import (
     collate_trajectories,
+    release_unused_memory,
     trajectories_from_ipc,
     trajectories_to_ipc,
 )
@@ -294,7 +295,11 @@ def _rollouts(ctx: DistContext, s: Session, cfg: TrainConfig) -> Taken:
         if not ctx.enabled:
             return taken
         raw = trajectories_to_ipc(taken.trajectories)  # one binary broadcast (Arrow IPC), never pickle
+        # rank 0 trains on the decoded copy, as every rank does: its own pages go now, not after the step
+        taken = Taken([], dropped=taken.dropped, errored=taken.errored)
     trajs = trajectories_from_ipc(broadcast_bytes(raw, ctx))
+    del raw
+    release_unused_memory()
     return Taken(trajs, dropped=taken.dropped, errored=taken.errored) if ctx.is_main else Taken(trajs)
 
 

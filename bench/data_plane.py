@@ -169,6 +169,50 @@ def column_bytes(url: str, k: int, page_size: int) -> dict[str, float]:
     return out
 
 
+def real_bytes(db_url: str, k: int, page_size: int, workdir: Path) -> dict[str, float]:
+    """Bytes on the wire of real stored batches (every done batch whose trajectories carry top-K >= k), both forms,
+    through a store-only gateway on `db_url`: what the synthetic batch's mix of policy and inserted tokens
+    assumes, measured on trajectories an engine wrote."""
+    import sqlite3
+
+    import httpx
+
+    path = db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        ids = [row[0] for row in con.execute("SELECT DISTINCT batch_id FROM trajectories WHERE topk_k >= ?", (k,))]
+    port = free_port()
+    gateway = launch_module("gateway", "sisrl.services.cli", ["serve", "--store-only", "--db-url", db_url, "--port",
+                            str(port), "--log-level", "warning"], port=port, log=workdir / "gateway-real.log",
+                            env={"SISRL_GATEWAY_API_TOKEN": None})
+    out = {"real_batches": 0.0, "real_tokens": 0.0, "real_policy_tokens": 0.0, "real_json_bytes": 0.0,
+           "real_arrow_bytes": 0.0}
+    try:
+        wait_healthy(gateway, timeout_s=120)
+        with httpx.Client(base_url=gateway.url, timeout=600) as http:
+            for batch_id in ids:
+                whole = http.get(f"/v1/batches/{batch_id}")
+                if whole.status_code != 200 or whole.json().get("status") != "done":
+                    continue
+                trajs = whole.json()["trajectories"]
+                out["real_batches"] += 1
+                out["real_json_bytes"] += len(whole.content)
+                out["real_tokens"] += sum(len(t["response_ids"]) for t in trajs)
+                out["real_policy_tokens"] += sum(sum(t["loss_mask"]) for t in trajs)
+                offset: str | None = "0"
+                while offset is not None:
+                    page = http.get(f"/v1/batches/{batch_id}/trajectories.arrow",
+                                    params={"offset": offset, "limit": page_size})
+                    page.raise_for_status()
+                    out["real_arrow_bytes"] += len(page.content)
+                    offset = page.headers.get("X-Sisrl-Next-Offset")
+    finally:
+        gateway.stop()
+    if not out["real_batches"]:
+        raise SystemExit(f"bench/data_plane.py: no done batch with top-K >= {k} in {db_url}")
+    out["real_json_over_arrow"] = out["real_json_bytes"] / out["real_arrow_bytes"]
+    return out
+
+
 def run_path(path: str, db_url: str, k: int, page_size: int, workdir: Path) -> dict[str, Any]:
     """A fresh gateway and a fresh child process for one path; the gateway's peak RSS read before it stops."""
     port = free_port()
@@ -200,6 +244,8 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", choices=("json", "arrow"), default=["json", "arrow"],
                    help="paths to run (the JSON path of a 2,560-trajectory step needs ~25 GB between gateway and "
                         "trainer; --paths arrow measures the new path alone)")
+    p.add_argument("--real-db", help="also measure the bytes of the real batches stored in this rollout store "
+                                      "(sqlite:///PATH, e.g. a bench's or a run's rollouts.db), both forms")
     p.add_argument("--results-dir", type=Path, default=None, help="record folder (default: bench/results)")
     p.add_argument("--note", default="", help="a sentence for the record's notes (say if the CPU was shared)")
     p.add_argument("--worker", choices=("json", "arrow"), help=argparse.SUPPRESS)
@@ -214,6 +260,8 @@ def main() -> None:
         if "arrow" not in args.paths:
             raise SystemExit("bench/data_plane.py: --paths must include arrow (the path the record is about)")
         res = {path: run_path(path, db_url, args.k, args.page_size, Path(tmp)) for path in args.paths}
+        if args.real_db:
+            res["arrow"].update(real_bytes(args.real_db, args.k, args.page_size, Path(tmp)))
     if "json" in res and res["json"]["tensors_sha256"] != res["arrow"]["tensors_sha256"]:
         raise SystemExit("bench/data_plane.py: the JSON and Arrow paths gave different tensors; no record written")
     report(args, tokens, res)
@@ -241,7 +289,13 @@ def report(args: argparse.Namespace, tokens: int, res: dict[str, dict[str, Any]]
         summary = f"the Arrow path only (--paths arrow): {memory}, in {arrow['total_s']:.1f} s."
         baseline = {"what": "the collated tensors' own size, same run (the target: peak above imports <= 2x it)",
                     "figures": {"tensors_mb": arrow["tensors_mb"]}}
-    print(f"{args.trajectories} trajectories, {tokens} response tokens, K = {args.k}")  # noqa: T201
+    real = ""
+    if "real_json_over_arrow" in arrow:
+        n = int(arrow["real_batches"])
+        real = (f" On {n} real stored batch{'es' if n != 1 else ''} ({arrow['real_tokens']:.0f} response tokens, "
+                f"{arrow['real_policy_tokens'] / arrow['real_tokens']:.0%} sampled by the policy) the Arrow pages "
+                f"are {arrow['real_json_over_arrow']:.1f}x fewer bytes than JSON.")
+    print(f"{args.trajectories} trajectories, {tokens} response tokens, K = {args.k}{real}")  # noqa: T201
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")  # noqa: T201
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")  # noqa: T201
@@ -251,8 +305,8 @@ def report(args: argparse.Namespace, tokens: int, res: dict[str, dict[str, Any]]
                  "loopback HTTP to the padded tensors: fetch and parse, the broadcast bytes encoded and decoded "
                  "once, collate; each path in a fresh process against a fresh gateway. Bytes are response bodies; "
                  "peak_over_tensors = (peak RSS - RSS after imports) / the tensors' bytes.",
-        summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}): {summary}",
-        figures={**{key: arrow[key] for key in keys},
+        summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}): {summary}" + real,
+        figures={**{key: arrow[key] for key in keys}, **{key: v for key, v in arrow.items() if key.startswith("real_")},
                  **{f"arrow_bytes_per_token_{name}": v for name, v in arrow["column_bytes_per_token"].items()}},
         baseline=baseline,
         table={"columns": columns, "rows": rows},

@@ -28,7 +28,7 @@ from sisrl.trainer.losses import (
     get_policy_loss,
     kl_penalty,
 )
-from sisrl.trainer.policy import no_grad_sync, policy_logits, response_logits
+from sisrl.trainer.policy import no_grad_sync, policy_logits
 from sisrl.trainer.sis import (
     SISResult,
     behaviour_topk,
@@ -137,14 +137,29 @@ def batch_advantages(b: RolloutBatch, algo: AlgorithmConfig) -> tuple[RolloutBat
 
 @torch.no_grad()
 def recompute_behaviour(model: nn.Module, b: RolloutBatch, *, k: int, temperature: float,
-                        chunk_size: int | None, autocast: bool, micro: int) -> RolloutBatch:
-    """`recompute` q: a no-grad forward of the rollout weights (call before any update of this batch)."""
-    parts: list[tuple[Tensor, Tensor, Tensor]] = []
+                        chunk_size: int | None, autocast: bool, micro: int, compact: bool = True,
+                        shared_prefix: bool = True) -> RolloutBatch:
+    """`recompute` q: a no-grad forward of the rollout weights (call before any update of this batch). With
+    `compact` the forward is the update's own (`policy_logits`: the head and the [.., V] passes at the policy's
+    tokens only, no [b, T, V]); q is written back to those tokens' response columns, zeros elsewhere (mask 0)."""
+    logq = torch.zeros_like(b.logq)
+    topk_ids = torch.zeros((*b.logq.shape, k), dtype=torch.long, device=b.logq.device)
+    topk_logq = torch.zeros((*b.logq.shape, k), dtype=b.logq.dtype, device=b.logq.device)
     for idx in torch.arange(b.size).split(micro):
         mb = b.select(idx)
-        logits = response_logits(model, mb, autocast=autocast)  # the full layout: q is stored per column
-        parts.append(behaviour_topk(logits, mb.response_ids, k, temperature, chunk_size))
-    logq, topk_ids, topk_logq = (torch.cat(xs, dim=0) for xs in zip(*parts, strict=True))
+        logits, view = policy_logits(model, mb, autocast=autocast, compact=compact, shared_prefix=shared_prefix)
+        lq, ids, lps = behaviour_topk(logits, view.response_ids, k, temperature, chunk_size)
+        del logits
+        if view.positions is None:
+            logq[idx], topk_ids[idx], topk_logq[idx] = lq.to(logq.dtype), ids, lps.to(topk_logq.dtype)
+            continue
+        keep = view.mask > 0  # [b, T'] slots past a row's policy tokens hold other columns: left at zero
+        cols = view.positions
+        by_k = cols.unsqueeze(-1).expand(-1, -1, k)
+        logq[idx] = torch.zeros_like(mb.logq).scatter_(1, cols, torch.where(keep, lq, 0.0).to(logq.dtype))
+        topk_ids[idx] = torch.zeros_like(topk_ids[idx]).scatter_(1, by_k, ids * keep.unsqueeze(-1))
+        topk_logq[idx] = torch.zeros_like(topk_logq[idx]).scatter_(
+            1, by_k, torch.where(keep.unsqueeze(-1), lps, 0.0).to(topk_logq.dtype))
     return b.with_behaviour(logq, topk_ids, topk_logq)
 
 
@@ -252,7 +267,8 @@ def train_on_batch(u: Updater, b: RolloutBatch, generator: torch.Generator,
     micro = u.optim.micro_batch_size or b.size
     if u.algo.behaviour == "recompute":
         b = recompute_behaviour(u.model, b, k=u.algo.logprobs_k, temperature=u.temperature, chunk_size=u.chunk_size,
-                                autocast=u.autocast, micro=micro)
+                                autocast=u.autocast, micro=micro, compact=u.compact_logits,
+                                shared_prefix=u.shared_prefix)
     if u.algo.sis_exact:
         if u.world > 1:
             raise ValueError("algorithm.sis_exact=true runs in one process only (it keeps a full copy of the "

@@ -11,7 +11,7 @@ from sisrl.trainer.batch import RolloutBatch, collate
 from sisrl.trainer.config import TrainConfig
 from sisrl.trainer.policy import build_optimizer, build_scheduler, load_policy
 from sisrl.trainer.sampling import SyntheticSource
-from sisrl.trainer.update import Updater, rank_shard, train_on_batch
+from sisrl.trainer.update import Updater, rank_shard, recompute_behaviour, train_on_batch
 
 from tests.trainer.helpers import synthetic_config
 
@@ -199,3 +199,29 @@ def test_trainable_layers_beyond_the_model_is_an_error_naming_both_counts(setup:
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trainable_layers": 3})})
     with pytest.raises(ValueError, match=r"trainable_layers=3: the model has only 2 decoder layers"):
         load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+
+
+def test_recompute_q_runs_the_head_at_the_policy_tokens_only(setup: tuple[TrainConfig, RolloutBatch]) -> None:
+    """`recompute` q through the update's compact forward: at every policy token the same log-probs and top-K
+    as the full [b, T, V] forward, zeros at inserted tokens, and the head never sees more than T' columns."""
+    cfg, b = setup
+    model, _ = load_policy(cfg.model, seed=0, device=torch.device("cpu"))
+    mask = b.mask.clone()
+    mask[:, 1::3] = 0.0  # every third token inserted by the environment
+    mask[0, :] = 0.0  # and a row with no policy token at all
+    b = b.with_mask(mask)
+    seen: list[tuple[int, ...]] = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: seen.append(tuple(out.shape)))
+    try:
+        compact = recompute_behaviour(model, b, k=5, temperature=1.0, chunk_size=None, autocast=False, micro=3)
+    finally:
+        handle.remove()
+    full = recompute_behaviour(model, b, k=5, temperature=1.0, chunk_size=None, autocast=False, micro=3,
+                               compact=False)
+    keep = mask > 0
+    t_policy = int(keep.sum(dim=1).max())
+    assert t_policy < b.response_len and all(shape[1] <= t_policy for shape in seen), seen
+    torch.testing.assert_close(compact.logq[keep], full.logq[keep], rtol=0, atol=1e-5)
+    torch.testing.assert_close(compact.topk_logq[keep], full.topk_logq[keep], rtol=0, atol=1e-5)
+    assert torch.equal(compact.topk_ids[keep], full.topk_ids[keep])
+    assert not compact.logq[~keep].any() and not compact.topk_ids[~keep].any() and not compact.topk_logq[~keep].any()

@@ -160,7 +160,7 @@ def column_bytes(url: str, k: int, page_size: int) -> dict[str, float]:
 
     resp = httpx.get(f"{url}/v1/batches/{BATCH}/trajectories.arrow", params={"limit": page_size}, timeout=600)
     page = decode_page(resp.content, resp.headers, batch_id=BATCH, offset=0)
-    tokens = int(pa.compute.sum(page.column("response_ids").value_lengths()).as_py())
+    tokens = int(page.column("response_ids").value_lengths().to_numpy().sum())
     out = {}
     for name in page.schema.names:
         one = pa.RecordBatch.from_arrays([page.column(name)], names=[name])

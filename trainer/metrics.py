@@ -62,7 +62,7 @@ LAG_BUCKETS = ("0", "1", "2+")
 
 
 def _bucket(lag: int) -> str:
-    return LAG_BUCKETS[min(lag, 2)]
+    return LAG_BUCKETS[min(max(lag, 0), 2)]  # as the token shares count it (np.clip in staleness_metrics)
 
 
 def staleness_metrics(trajs: list[Trajectory], version: int, records: list[Any] | None, *,

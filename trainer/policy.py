@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from sisrl.common.atomic import atomic_dir
-from sisrl.common.models import build_tiny_policy, load_tokenizer, resolve_policy_path
+from sisrl.common.models import build_tiny_policy, cast_parameters, load_tokenizer, resolve_policy_path
 from sisrl.trainer.batch import RolloutBatch
 from sisrl.trainer.config import ModelConfig, OptimConfig
 from torch import Tensor, nn
@@ -29,7 +29,7 @@ def load_policy(cfg: ModelConfig, *, seed: int, device: torch.device) -> tuple[P
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if cfg.path == TINY:
         tokenizer = load_tokenizer()
-        model: PreTrainedModel = build_tiny_policy(tokenizer, hidden_size=cfg.tiny_hidden_size, seed=seed).to(dtype)
+        model: PreTrainedModel = cast_parameters(build_tiny_policy(tokenizer, hidden_size=cfg.tiny_hidden_size, seed=seed), dtype)
     else:
         path = resolve_policy_path(cfg.path)
         tokenizer = load_tokenizer(path)

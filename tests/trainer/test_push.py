@@ -20,11 +20,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from sisrl.common.models import build_tiny_policy, load_tokenizer
+from sisrl.common.models import build_tiny_policy, cast_parameters, load_tokenizer
 from sisrl.common.procs import free_port
 from sisrl.common.shards import INDEX_NAME
 from sisrl.services.engines.base import SamplingParams
 from sisrl.services.engines.local import LocalEngine
+from sisrl.trainer.config import ModelConfig
+from sisrl.trainer.policy import load_policy
 from sisrl.trainer.push import resolve_push_dtype, write_push
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerBase
 
@@ -117,7 +119,7 @@ def test_local_engine_serves_a_bf16_push_with_the_trainers_log_probs(tmp_path: P
     torch.set_num_threads(1)
     trainer_model = build_tiny_policy(tokenizer, seed=3)
     write_push(trainer_model, tokenizer, tmp_path / "v1", dtype=torch.bfloat16, max_shard_bytes=SHARD_BYTES)
-    reference = build_tiny_policy(tokenizer, seed=3).to(torch.bfloat16).float()  # the same cast, on its own
+    reference = cast_parameters(cast_parameters(build_tiny_policy(tokenizer, seed=3), torch.bfloat16), torch.float32)
     prompt = list(tokenizer.encode("Who wrote the novel Dracula?"))
     params = SamplingParams(max_new_tokens=8, stop=(), seed=5, logprobs_k=4)
 
@@ -150,7 +152,7 @@ def test_a_bf16_engine_holds_the_push_bit_for_bit(tmp_path: Path, tokenizer: Pre
     write_push(trainer_model, tokenizer, tmp_path / "v1", dtype=torch.bfloat16, max_shard_bytes=SHARD_BYTES)
 
     async def main() -> LocalEngine:
-        engine = LocalEngine(build_tiny_policy(tokenizer, seed=0).to(torch.bfloat16), tokenizer=tokenizer)
+        engine = LocalEngine(cast_parameters(build_tiny_policy(tokenizer, seed=0), torch.bfloat16), tokenizer=tokenizer)
         await engine.load_weights(str(tmp_path / "v1"), 1)
         await engine.close()
         return engine
@@ -221,3 +223,21 @@ def test_a_shard_that_breaks_after_the_check_tears_the_engine_until_a_load_succe
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_bf16_trainer_policy_keeps_the_rotary_frequencies_the_engines_use(
+        tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The 'tiny' policy trained in bf16 casts its parameters only: its rotary `inv_freq` stays float32, as in
+    `from_pretrained(dtype=bfloat16)` and in every engine that loads its pushes, so trainer and engine compute
+    the same positions (a whole-module `.to(bfloat16)` rounds them: a learner/engine gap no ratio should see)."""
+    torch.set_num_threads(1)
+    policy, _ = load_policy(ModelConfig(path="tiny", dtype="bfloat16"), seed=3, device=torch.device("cpu"))
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    assert policy.model.rotary_emb.inv_freq.dtype == torch.float32
+    policy.save_pretrained(tmp_path / "saved", safe_serialization=True)
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16).eval()
+    ids = torch.tensor([list(range(5, 205))])  # 200 positions: a rounded frequency would show
+    with torch.no_grad():
+        assert torch.equal(policy.eval()(input_ids=ids).logits, served(input_ids=ids).logits)
+        rounded = build_tiny_policy(tokenizer, seed=3).to(torch.bfloat16)  # the whole-module cast, for contrast
+        assert not torch.equal(rounded(input_ids=ids).logits, served(input_ids=ids).logits)

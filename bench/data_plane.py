@@ -1,8 +1,9 @@
 """One training step's data plane: a stored batch -> REST -> the padded tensors the update reads, JSON vs Arrow.
 
 A synthetic batch of N trajectories (prompt ~200 tokens; responses of 25-100 % of a `--budget` token budget, the
-demo's spread scaled up, with three inserted passages of 12 % each; K = `--k` behaviour top-K per token) is
-written into a real SQLite rollout store with the store's own table, and served by a real
+demo's spread scaled up, with three inserted passages of 12 % each; K = `--k` behaviour top-K per policy token,
+id 0 and log-prob 0 at inserted tokens as the gateway records them; top-K ids uniform over the vocabulary and
+log-probs random float32, the worst case for compression) is written into a real SQLite rollout store with the store's own table, and served by a real
 `sisrl-gateway serve --store-only` process on loopback. Each path then runs in a fresh child process (so its
 peak RSS is its own), against a fresh gateway (whose peak RSS, VmHWM, is reported too):
 
@@ -18,6 +19,7 @@ column (zstd-compressed, per response token) show where the wire bytes go.
 
     .venv/bin/python bench/data_plane.py                        # 256 trajectories, 2k budget, K = 20
     .venv/bin/python bench/data_plane.py --trajectories 2560   # the recipe's step (512 prompts x 5 samples)
+    .venv/bin/python bench/data_plane.py --topk-logprobs-dtype float16  # a gateway that stores them as halves
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ BATCH = "bench-batch"
 PASSAGE_SHARE = 0.12  # each of three inserted passages, as a share of the response
 
 
-def fill_store(db_url: str, *, n: int, budget: int, k: int, seed: int) -> int:
-    """N trajectories of one done batch, written as the store writes them (packed little-endian blobs);
-    returns the number of response tokens."""
+def fill_store(db_url: str, *, n: int, budget: int, k: int, seed: int, topk_dtype: str = "float32") -> int:
+    """N trajectories of one done batch, written as the store writes them (packed little-endian blobs; top-K
+    log-probs rounded to half floats as a gateway with `topk_logprobs_dtype: float16` stores them, when
+    `topk_dtype` says so); returns the number of response tokens."""
     rng = np.random.default_rng(seed)
     sessions = store.open_db(db_url)
     tokens = 0
@@ -59,14 +62,17 @@ def fill_store(db_url: str, *, n: int, budget: int, k: int, seed: int) -> int:
                 mask[start:start + int(t * PASSAGE_SHARE)] = 0
             logq = np.where(mask > 0, -rng.exponential(0.7, t), 0.0).astype(np.float32)
             top = np.where(mask[:, None] > 0, np.sort(-rng.exponential(3.0, (t, k)), axis=1)[:, ::-1], 0.0)
+            top = top.astype(np.float32)
+            if topk_dtype == "float16":
+                top = top.astype(np.float16).astype(np.float32)
+            top_ids = np.where(mask[:, None] > 0, rng.integers(0, 49_000, (t, k)), 0)  # agent.py: 0 when inserted
             s.add(store.TrajectoryRow(
                 id=f"t{i}", batch_id=BATCH, item_id=f"q{i // 5}", sample_index=i % 5, group_id=f"g{i // 5}",
                 run="bench", step=0, data_source="nq", question="q?", golden_answers=["a"],
                 prompt_ids=store.pack(rng.integers(0, 49_000, int(rng.integers(150, 250))), np.int32),
                 response_ids=store.pack(rng.integers(0, 49_000, t), np.int32), loss_mask=store.pack(mask, np.uint8),
                 behaviour_logprobs=store.pack(logq, np.float32), topk_k=k,
-                topk_ids=store.pack(rng.integers(0, 49_000, (t, k)), np.int32),
-                topk_logprobs=store.pack(top.astype(np.float32), np.float32), turns=[], num_searches=0,
+                topk_ids=store.pack(top_ids, np.int32), topk_logprobs=store.pack(top, np.float32), turns=[], num_searches=0,
                 response_len=t, finish_reason="answer", answer="a", reward=float(rng.random() < 0.4), em=0.0,
                 f1=0.0, format=0.0, policy_version=0, token_versions=store.pack(np.where(mask > 0, 0, -1), np.int32),
                 policy_version_max=0, timings={}, error=None))
@@ -241,6 +247,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=20, help="behaviour top-K per token")
     p.add_argument("--page-size", type=int, default=64, help="trajectories per Arrow page")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topk-logprobs-dtype", choices=("float32", "float16"), default="float32",
+                   help="precision the store keeps top-K log-probs in (the gateway's topk_logprobs_dtype)")
     p.add_argument("--paths", nargs="+", choices=("json", "arrow"), default=["json", "arrow"],
                    help="paths to run (the JSON path of a 2,560-trajectory step needs ~25 GB between gateway and "
                         "trainer; --paths arrow measures the new path alone)")
@@ -256,7 +264,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="data_plane-") as tmp:
         db_url = f"sqlite:///{Path(tmp) / 'rollouts.db'}"
-        tokens = fill_store(db_url, n=args.trajectories, budget=args.budget, k=args.k, seed=args.seed)
+        tokens = fill_store(db_url, n=args.trajectories, budget=args.budget, k=args.k, seed=args.seed,
+                            topk_dtype=args.topk_logprobs_dtype)
         if "arrow" not in args.paths:
             raise SystemExit("bench/data_plane.py: --paths must include arrow (the path the record is about)")
         res = {path: run_path(path, db_url, args.k, args.page_size, Path(tmp)) for path in args.paths}
@@ -305,13 +314,15 @@ def report(args: argparse.Namespace, tokens: int, res: dict[str, dict[str, Any]]
                  "loopback HTTP to the padded tensors: fetch and parse, the broadcast bytes encoded and decoded "
                  "once, collate; each path in a fresh process against a fresh gateway. Bytes are response bodies; "
                  "peak_over_tensors = (peak RSS - RSS after imports) / the tensors' bytes.",
-        summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}): {summary}" + real,
+        summary=f"{args.trajectories} trajectories ({tokens} response tokens, K = {args.k}, top-K log-probs "
+                f"stored as {args.topk_logprobs_dtype}): {summary}" + real,
         figures={**{key: arrow[key] for key in keys}, **{key: v for key, v in arrow.items() if key.startswith("real_")},
                  **{f"arrow_bytes_per_token_{name}": v for name, v in arrow["column_bytes_per_token"].items()}},
         baseline=baseline,
         table={"columns": columns, "rows": rows},
         notes=f"{args.trajectories} trajectories, responses 25-100 % of {args.budget} tokens, 36 % inserted, "
-              f"K = {args.k}, Arrow pages of {args.page_size}; tensors of both paths hash the same. "
+              f"K = {args.k} (top-K log-probs stored as {args.topk_logprobs_dtype}), Arrow pages of "
+              f"{args.page_size}; tensors of both paths hash the same. "
               + args.note, results_dir=args.results_dir)
 
 

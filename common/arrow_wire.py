@@ -6,13 +6,18 @@ One definition of the columns, read by both sides: the gateway writes pages of a
 end-of-stream marker), as specified in https://arrow.apache.org/docs/format/Columnar.html#ipc-streaming-format.
 
 Per-token columns are Arrow lists of one trajectory's response: ids int32, mask uint8, log-probs float32. The
-top-K block of a trajectory is its flattened [T, K] row-major array with K in `topk_k` (0 for a trajectory with
+top-K log-probs travel as float16 in a page whose every top-K value is a half float exactly (a gateway run with
+`topk_logprobs_dtype: float16` stores them so: `round_to_half`), else as float32; either widens to the same
+float32 values, so the JSON and Arrow forms of a batch agree bit for bit. The top-K block of a trajectory is its flattened [T, K] row-major array with K in `topk_k` (0 for a trajectory with
 no tokens), so a reader reshapes without copying. The schema's metadata names the batch and the page; a reader
 checks them, and every per-row length, before it trusts a value (`check_page`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pyarrow as pa
 
 MEDIA_TYPE = "application/vnd.apache.arrow.stream"
@@ -53,7 +58,23 @@ SCHEMA = pa.schema([
     pa.field("error", pa.string(), nullable=True),
 ])
 
+# The same columns with the top-K log-probs as half floats (`to_half_if_exact`).
+SCHEMA_HALF_TOPK = SCHEMA.set(SCHEMA.get_field_index("topk_logprobs"),
+                              pa.field("topk_logprobs", pa.list_(pa.float16()), nullable=False))
+
 _PER_TOKEN = ("loss_mask", "behaviour_logprobs")
+
+
+def round_to_half(values: Any) -> list[Any]:
+    """Log-probs (nested lists or an array) rounded to the nearest float16, as float32 lists: what a gateway
+    with `topk_logprobs_dtype: float16` stores."""
+    return np.asarray(values, np.float32).astype(np.float16).astype(np.float32).tolist()  # type: ignore[no-any-return]
+
+
+def to_half_if_exact(values: np.ndarray) -> np.ndarray:
+    """`values` (float32) as float16 when every one of them is a half float exactly, else unchanged."""
+    half = values.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), values) else values
 
 
 class PageError(ValueError):
@@ -92,7 +113,8 @@ def read_page(raw: bytes, *, where: str) -> pa.RecordBatch:
 def check_page(batch: pa.RecordBatch, *, where: str) -> None:
     """Refuse a page whose schema, format tag or row count disagree with this module, or whose per-row lengths
     disagree with each other (a response of T tokens has T mask / log-prob / version entries and T * K top-K)."""
-    if not batch.schema.equals(SCHEMA, check_metadata=False):
+    if not (batch.schema.equals(SCHEMA, check_metadata=False)
+            or batch.schema.equals(SCHEMA_HALF_TOPK, check_metadata=False)):
         raise PageError(f"{where}: schema differs from {FORMAT}: got {batch.schema.remove_metadata()}")
     meta = batch.schema.metadata or {}
     if meta.get(META_FORMAT) != FORMAT.encode():

@@ -94,7 +94,7 @@ def open_live(settings: GatewaySettings, *, sessions: sessionmaker[Session], clo
         engine=engine, searcher=retriever,
         protocol=SearchR1Protocol(tokenizer, observation_max_tokens=settings.observation_max_tokens),
         sessions=sessions, metrics=metrics, clock=clock, reward_specs=specs,
-        max_response_tokens=settings.max_response_tokens,
+        max_response_tokens=settings.max_response_tokens, topk_logprobs_dtype=settings.topk_logprobs_dtype,
     )
     runner = BatchRunner(deps, max_concurrency=settings.max_concurrency, claims=claims)
     return (Live(engine=engine, retriever=retriever, runner=runner, weights_dtype=served_dtype(engine, settings)),

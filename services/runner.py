@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from sisrl.common import arrow_wire
 from sisrl.services import store
 from sisrl.services.agent import AgentLimits, Rollout, Searcher, SearchR1Protocol, run_agent
 from sisrl.services.claims import Claims, LocalClaims
@@ -61,6 +62,7 @@ class RunnerDeps:
     clock: BusyClock
     reward_specs: dict[str, RewardSpec]
     max_response_tokens: int
+    topk_logprobs_dtype: str = "float32"  # GatewaySettings.topk_logprobs_dtype
 
 
 class BatchRunner:
@@ -197,7 +199,9 @@ class BatchRunner:
             group_id=group_id(batch_id, item.id), run=request.run, step=request.step,
             data_source=item.data_source, question=item.question, golden_answers=item.golden_answers,
             prompt_ids=rollout.prompt_ids, response_ids=rollout.response_ids, loss_mask=rollout.loss_mask,
-            behaviour_logprobs=rollout.logprobs, topk_ids=rollout.topk_ids, topk_logprobs=rollout.topk_logprobs,
+            behaviour_logprobs=rollout.logprobs, topk_ids=rollout.topk_ids,
+            topk_logprobs=(arrow_wire.round_to_half(rollout.topk_logprobs)
+                           if self.deps.topk_logprobs_dtype == "float16" else rollout.topk_logprobs),
             token_versions=rollout.token_versions,
             turns=[Turn(query=t.query, doc_ids=t.doc_ids, scores=t.scores) for t in rollout.searches],
             finish_reason=rollout.finish_reason,  # type: ignore[arg-type]

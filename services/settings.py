@@ -6,7 +6,7 @@ The CLI builds a `GatewaySettings` from its options; `create_app(settings)` take
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -87,6 +87,11 @@ class GatewaySettings(BaseSettings):
     topk: int = Field(default=3, ge=1, le=50, description="passages per search")
     observation_max_tokens: int = Field(default=512, ge=16, le=8192, description="token budget of one observation")
     max_response_tokens: int = Field(default=2048, ge=16, le=65536, description="response budget per trajectory")
+    topk_logprobs_dtype: Literal["float32", "float16"] = Field(
+        default="float32", description="precision the store keeps each recorded top-K log-prob in: float16 rounds "
+        "it to the nearest half float (|error| <= 2^-11 |log q|: a top-K probability moves by at most 1.8e-4; "
+        "the floor -9999 reads -10000) and Arrow pages then carry the top-K log-probs in 2 bytes instead of 4. "
+        "The sampled tokens' log-probs stay float32. Both forms of a batch give the same values")
     max_concurrency: int = Field(default=64, ge=1, le=4096, description="trajectories generating at once")
     max_pending: int = Field(default=4096, ge=1, le=10**6, description="queued + running trajectories before 429")
     max_request_bytes: int = Field(default=8 * 2**20, ge=1024, le=2**30, description="request body limit")

@@ -22,7 +22,7 @@ def test_the_bench_runs_both_paths_and_writes_its_record(tmp_path: Path) -> None
     tokens = fill_store(stored, n=7, budget=40, k=4, seed=1)  # stands in for a run's rollouts.db (--real-db)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "data_plane.py"), "--trajectories", "24",
                            "--budget", "64", "--k", "4", "--page-size", "5", "--results-dir", str(results),
-                           "--real-db", stored, "--note", "test run"], cwd=tmp_path, capture_output=True, text=True,
+                           "--real-db", stored, "--topk-logprobs-dtype", "float16", "--note", "test run"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = sorted((results / "data_plane").glob("*.json"))
@@ -34,6 +34,6 @@ def test_the_bench_runs_both_paths_and_writes_its_record(tmp_path: Path) -> None
                  if key.startswith("arrow_bytes_per_token_")}
     assert per_token["topk_logprobs"] > per_token["loss_mask"] and per_token["page"] > 0
     assert [r[0] for r in record["table"]["rows"]][:2] == ["wire_bytes", "broadcast_bytes"]
-    assert "24 trajectories" in record["summary"] and record["notes"].endswith("test run")
+    assert "24 trajectories" in record["summary"] and "stored as float16" in record["summary"] and record["notes"].endswith("test run")
     assert (new["real_batches"], new["real_tokens"]) == (1, tokens) and new["real_json_over_arrow"] > 1
     assert "On 1 real stored batch (" in record["summary"]

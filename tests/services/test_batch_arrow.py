@@ -36,6 +36,7 @@ from tests.services.conftest import rollout_body
 BATCH = "batch-arrow"
 RUNNING = "batch-running"
 FAILED = "batch-failed"
+HALF = "batch-half"  # the same trajectories as BATCH, stored as a gateway with topk_logprobs_dtype float16 does
 N = 10
 K = 4
 
@@ -69,12 +70,16 @@ def gateway(start_gateway: Callable[..., Any], tmp_path_factory: pytest.TempPath
              for i in range(N // 2)]
     request = RolloutCreate.model_validate(rollout_body(items, run="arrow", samples_per_item=2)).model_dump_json()
     with sessions() as s:
-        for batch_id, state in ((BATCH, "done"), (RUNNING, "running"), (FAILED, "failed")):
+        for batch_id, state in ((BATCH, "done"), (RUNNING, "running"), (FAILED, "failed"), (HALF, "done")):
             store.create_batch(session=s, batch_id=batch_id, run="arrow", step=0, idempotency_key=None,
                                request_hash="-", request_json=request, total=N)
             store.set_batch_status(session=s, batch_id=batch_id, status=state)
         for i in range(N):
-            assert store.add_trajectory(session=s, trajectory=_trajectory(i, rng), sample_index=i % 2)
+            traj = _trajectory(i, rng)
+            assert store.add_trajectory(session=s, trajectory=traj, sample_index=i % 2)
+            half = traj.model_copy(update={"id": f"h{i}", "batch_id": HALF, "run": "arrow-half",
+                                           "topk_logprobs": arrow_wire.round_to_half(traj.topk_logprobs)})
+            assert store.add_trajectory(session=s, trajectory=half, sample_index=i % 2)
         # t3 as a store from before token_versions holds it: both forms give policy_version at policy tokens
         s.execute(update(store.TrajectoryRow).where(store.TrajectoryRow.id == "t3").values(token_versions=None))
         s.commit()
@@ -82,8 +87,8 @@ def gateway(start_gateway: Callable[..., Any], tmp_path_factory: pytest.TempPath
     yield start_gateway("--store-only", db_url=db_url)
 
 
-def _json_trajectories(gw: Any) -> list[Trajectory]:
-    body = gw.client.get(f"/v1/batches/{BATCH}").raise_for_status().json()
+def _json_trajectories(gw: Any, batch_id: str = BATCH) -> list[Trajectory]:
+    body = gw.client.get(f"/v1/batches/{batch_id}").raise_for_status().json()
     assert body["status"] == "done" and len(body["trajectories"]) == N
     return [Trajectory.from_json(t) for t in body["trajectories"]]
 
@@ -112,6 +117,28 @@ def test_arrow_and_json_give_the_same_tensors_bit_for_bit(gateway: Any) -> None:
     short_k = collate_arrow(page, pad_id=0, k=K - 1)
     assert torch.equal(short_k.topk_logq, collate(from_json, pad_id=0, k=K - 1).topk_logq)
     assert float(a.mask.sum()) > 50 and float(a.logq.abs().sum()) > 1.0  # the batch holds real, non-zero tokens
+
+
+def test_top_k_log_probs_stored_as_half_floats_travel_in_two_bytes_with_the_same_tensors(gateway: Any) -> None:
+    """A page whose top-K log-probs are all half floats exactly carries them as float16 (any Arrow reader sees
+    the type); the trainer widens them to the float32 values the JSON form gives, bit for bit. A page of
+    unrounded values stays float32."""
+    pages = {b: gateway.client.get(f"/v1/batches/{b}/trajectories.arrow", params={"limit": N}) for b in (BATCH, HALF)}
+    decoded = {b: decode_page(r.content, r.headers, batch_id=b, offset=0) for b, r in pages.items()}
+    assert decoded[BATCH].schema.field("topk_logprobs").type == pa.list_(pa.float32())
+    assert decoded[HALF].schema.field("topk_logprobs").type == pa.list_(pa.float16())
+    assert len(pages[HALF].content) < len(pages[BATCH].content)
+    from_json = _json_trajectories(gateway, HALF)
+    from_arrow = fetch_trajectories(gateway.client, HALF, page_size=4)
+    assert from_arrow == from_json
+    b = collate(from_json, pad_id=0, k=K)
+    for a in (collate(from_arrow, pad_id=0, k=K), collate_arrow(decoded[HALF], pad_id=0, k=K),
+              collate_trajectories(from_arrow, pad_id=0, k=K, chunk=3)):
+        for name in ("logq", "topk_ids", "topk_logq"):
+            assert torch.equal(_bits(getattr(a, name)), _bits(getattr(b, name))), name
+    unrounded = collate(_json_trajectories(gateway), pad_id=0, k=K).topk_logq
+    assert not torch.equal(unrounded, b.topk_logq)  # the rounding is real: the values moved ...
+    assert float((unrounded - b.topk_logq).abs().max()) <= 2.0 ** -11 * float(unrounded.abs().max())  # ... by half an ulp
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 10, 64])

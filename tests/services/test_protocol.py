@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 from sisrl.common.models import load_tokenizer
@@ -186,14 +187,16 @@ class _Fixed:
         return self.passages
 
 
-def _runner(tokenizer: PreTrainedTokenizerBase, passages: list[Passage], tmp_path: Path) -> BatchRunner:
+def _runner(tokenizer: PreTrainedTokenizerBase, passages: list[Passage], tmp_path: Path,
+            topk_logprobs_dtype: str = "float32") -> BatchRunner:
     # The scripted policy searches once, then answers: the second turn follows one observation.
     engine = ScriptedEngine(tokenizer, [ScriptRule(match="", turns=("<search> isle of wight </search>",
                                                                     "<answer> x </answer>"))])
     clock = BusyClock()
     deps = RunnerDeps(engine=engine, searcher=_Fixed(passages), protocol=SearchR1Protocol(tokenizer),
                       sessions=store.open_db(f"sqlite:///{tmp_path / 'unused.db'}"), metrics=GatewayMetrics(clock),
-                      clock=clock, reward_specs=dict(DEFAULT_SPECS), max_response_tokens=4096)
+                      clock=clock, reward_specs=dict(DEFAULT_SPECS), max_response_tokens=4096,
+                      topk_logprobs_dtype=topk_logprobs_dtype)
     return BatchRunner(deps, max_concurrency=1)
 
 
@@ -247,3 +250,22 @@ async def _run_batch(runner: BatchRunner, request: RolloutCreate) -> None:
     runner.start(batch_id="b", request=request, todo=[(0, 0), (0, 1)])
     while runner.is_running("b"):
         await runner.wait_change("b", timeout=1.0)
+
+
+def test_a_float16_store_rounds_the_top_k_log_probs_and_nothing_else(passages: list[Passage], tmp_path: Path) -> None:
+    """`topk_logprobs_dtype: float16`: the stored top-K log-probs are the engine's rounded to the nearest half
+    float; the sampled tokens' log-probs are kept as the engine gave them."""
+    tokenizer = load_tokenizer()
+    item = RolloutItem(id="a", question="who?", golden_answers=["x"], data_source="nq")
+    request = RolloutCreate(run="r", step=0, policy_version=0, items=[item], max_turns=2,
+                            sampling=SamplingIn(max_new_tokens=32, logprobs_k=3, seed=0))
+    rollout = asyncio.run(_runner(tokenizer, passages, tmp_path).rollout(item, request, seed=0))
+    rng = np.random.default_rng(0)
+    rollout.topk_logprobs = (-rng.exponential(2.0, (len(rollout.topk_logprobs), 3))).astype(np.float32).tolist()
+    rollout.logprobs = (-rng.exponential(1.0, len(rollout.logprobs))).astype(np.float32).tolist()
+    full = _runner(tokenizer, passages, tmp_path).to_trajectory("b", request, item, 0, rollout)
+    half = _runner(tokenizer, passages, tmp_path, "float16").to_trajectory("b", request, item, 0, rollout)
+    assert full.topk_logprobs == rollout.topk_logprobs and half.behaviour_logprobs == rollout.logprobs
+    exact = np.asarray(full.topk_logprobs, np.float32)
+    assert np.array_equal(np.asarray(half.topk_logprobs, np.float32), exact.astype(np.float16).astype(np.float32))
+    assert half.topk_logprobs != full.topk_logprobs

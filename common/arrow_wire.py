@@ -58,7 +58,7 @@ SCHEMA = pa.schema([
     pa.field("error", pa.string(), nullable=True),
 ])
 
-# The same columns with the top-K log-probs as half floats (`to_half_if_exact`).
+# The same columns with the top-K log-probs as half floats (`narrow_topk`).
 SCHEMA_HALF_TOPK = SCHEMA.set(SCHEMA.get_field_index("topk_logprobs"),
                               pa.field("topk_logprobs", pa.list_(pa.float16()), nullable=False))
 
@@ -71,10 +71,16 @@ def round_to_half(values: Any) -> list[Any]:
     return np.asarray(values, np.float32).astype(np.float16).astype(np.float32).tolist()  # type: ignore[no-any-return]
 
 
-def to_half_if_exact(values: np.ndarray) -> np.ndarray:
-    """`values` (float32) as float16 when every one of them is a half float exactly, else unchanged."""
+def narrow_topk(columns: dict[str, pa.Array]) -> pa.Schema:
+    """Put `columns["topk_logprobs"]` (float32 lists) in float16 when every value is a half float exactly; the
+    schema the columns then follow (SCHEMA or SCHEMA_HALF_TOPK, no metadata)."""
+    lists = columns["topk_logprobs"]
+    values = lists.values.to_numpy(zero_copy_only=False)
     half = values.astype(np.float16)
-    return half if np.array_equal(half.astype(np.float32), values) else values
+    if not np.array_equal(half.astype(np.float32), values):
+        return SCHEMA
+    columns["topk_logprobs"] = pa.ListArray.from_arrays(lists.offsets, pa.array(half))
+    return SCHEMA_HALF_TOPK
 
 
 class PageError(ValueError):

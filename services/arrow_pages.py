@@ -31,10 +31,7 @@ def page_batch(rows: Sequence[Row[Any]], *, batch_id: str, offset: int, total: i
     """The record batch of `rows` (store.PAGE_COLUMNS, in the batch's order) with the page's metadata."""
     columns: dict[str, pa.Array] = {name: _blob_lists([getattr(r, name) for r in rows], *kind)
                                     for name, kind in _BLOBS.items()}
-    half = columns["topk_logprobs"].values.to_numpy(zero_copy_only=False)
-    half = arrow_wire.to_half_if_exact(half)
-    if half.dtype == np.float16:  # stored rounded (topk_logprobs_dtype: float16): 2 bytes a value, same values
-        columns["topk_logprobs"] = pa.ListArray.from_arrays(columns["topk_logprobs"].offsets, pa.array(half))
+    base = arrow_wire.narrow_topk(columns)  # stored rounded (topk_logprobs_dtype float16): 2 bytes a value
     columns["token_versions"] = _versions(rows)
     for name in ("id", "item_id", "group_id", "data_source", "finish_reason", "answer", "error"):
         columns[name] = pa.array([getattr(r, name) for r in rows], pa.string())
@@ -44,7 +41,6 @@ def page_batch(rows: Sequence[Row[Any]], *, batch_id: str, offset: int, total: i
     columns["reward_parts"] = pa.array([[("em", r.em), ("f1", r.f1), ("format", r.format)] for r in rows],
                                        pa.map_(pa.string(), pa.float64()))
     columns["turns"] = pa.array([json.dumps(r.turns) for r in rows], pa.string())
-    base = arrow_wire.SCHEMA_HALF_TOPK if half.dtype == np.float16 else arrow_wire.SCHEMA
     schema = base.with_metadata(
         arrow_wire.metadata(batch_id=batch_id, offset=offset, rows=len(rows), total=total))
     return pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema)

@@ -255,12 +255,13 @@ def release_unused_memory() -> None:
 # ---- rank 0 -> other ranks -------------------------------------------------------------------------------------
 def trajectories_to_ipc(trajs: Sequence[Trajectory]) -> bytes:
     """One Arrow IPC stream of `trajs` (metadata: no batch, offset 0, every row); the form rank 0 broadcasts.
-    Log-probs travel as float32, the precision the gateway records and `collate` trains with."""
+    Log-probs travel as float32, the precision the gateway records and `collate` trains with (top-K log-probs
+    as float16 when the gateway stored them rounded: the same values)."""
     return arrow_wire.to_stream(trajectories_to_batch(trajs))
 
 
 def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
-    """`trajs` as one record batch of `arrow_wire.SCHEMA` (see `trajectories_to_ipc`)."""
+    """`trajs` as one record batch of `arrow_wire.SCHEMA` or its SCHEMA_HALF_TOPK (see `trajectories_to_ipc`)."""
     blocks = [_topk_block(t) for t in trajs]
     columns: dict[str, pa.Array] = {
         "prompt_ids": _lists([t.prompt_ids for t in trajs], np.int32, pa.int32()),
@@ -279,7 +280,7 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
     for name in ("id", "item_id", "group_id", "data_source", "finish_reason", "answer", "error"):
         columns[name] = pa.array([getattr(t, name) for t in trajs], pa.string())
     meta = arrow_wire.metadata(batch_id="", offset=0, rows=len(trajs), total=len(trajs))
-    schema = arrow_wire.SCHEMA.with_metadata(meta)
+    schema = arrow_wire.narrow_topk(columns).with_metadata(meta)
     return pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema)
 
 

@@ -132,8 +132,10 @@ def test_top_k_log_probs_stored_as_half_floats_travel_in_two_bytes_with_the_same
     from_arrow = fetch_trajectories(gateway.client, HALF, page_size=4)
     assert from_arrow == from_json
     b = collate(from_json, pad_id=0, k=K)
+    broadcast = trajectories_to_batch(from_arrow)  # rank 0's form for the other ranks keeps the two bytes too
+    assert broadcast.schema.field("topk_logprobs").type == pa.list_(pa.float16())
     for a in (collate(from_arrow, pad_id=0, k=K), collate_arrow(decoded[HALF], pad_id=0, k=K),
-              collate_trajectories(from_arrow, pad_id=0, k=K, chunk=3)):
+              collate_trajectories(from_arrow, pad_id=0, k=K, chunk=3), collate_arrow(broadcast, pad_id=0, k=K)):
         for name in ("logq", "topk_ids", "topk_logq"):
             assert torch.equal(_bits(getattr(a, name)), _bits(getattr(b, name))), name
     unrounded = collate(_json_trajectories(gateway), pad_id=0, k=K).topk_logq

@@ -29,7 +29,8 @@ def load_policy(cfg: ModelConfig, *, seed: int, device: torch.device) -> tuple[P
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if cfg.path == TINY:
         tokenizer = load_tokenizer()
-        model: PreTrainedModel = cast_parameters(build_tiny_policy(tokenizer, hidden_size=cfg.tiny_hidden_size, seed=seed), dtype)
+        tiny = build_tiny_policy(tokenizer, hidden_size=cfg.tiny_hidden_size, seed=seed)
+        model: PreTrainedModel = cast_parameters(tiny, dtype)  # buffers (rotary inv_freq) stay fp32
     else:
         path = resolve_policy_path(cfg.path)
         tokenizer = load_tokenizer(path)

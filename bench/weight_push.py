@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import torch
 from record import write_record
 from sisrl.common.atomic import atomic_dir
 from sisrl.common.models import load_tokenizer
-from sisrl.common.procs import free_port
+from sisrl.common.procs import free_port, run_group
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 MB = 1 << 20
@@ -156,7 +155,7 @@ def run_cell(size: str, mode: str, path: str, shard_mb: int, workdir: Path) -> l
     else:
         cmd = [sys.executable, *script]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
+        proc = run_group(cmd, env=env, timeout_s=3600)  # a failed or interrupted cell leaves no rank behind
         if proc.returncode != 0:
             raise SystemExit(f"bench/weight_push.py: {size} {mode} {path} failed:\n{proc.stderr[-3000:]}")
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 if mode == "fsdp2" else 1)]

@@ -90,6 +90,24 @@ def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM, ti
     return int(process.returncode)
 
 
+def run_group(command: list[str], *, env: Mapping[str, str] | None = None, timeout_s: float,
+              cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(command, capture_output=True, text=True)` in a process group of its own, which is killed
+    whole when the run ends for any reason (its time out, an exception, pytest-timeout's interrupt). A launcher
+    such as torchrun starts its ranks as its children: killing the launcher alone would leave them spinning in a
+    collective, holding the cores, after the test that started them had failed. TimeoutExpired on timeout."""
+    proc = subprocess.Popen(command, env=None if env is None else dict(env), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the group id is the leader's pid, also after it exited
+        if proc.returncode is None:
+            proc.communicate()
+    return subprocess.CompletedProcess(command, int(proc.returncode), out, err)
+
+
 def log_tail(log: Path, lines: int = 30) -> str:
     """The last `lines` lines of a log file, for error messages."""
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.is_file() else "(no log)"

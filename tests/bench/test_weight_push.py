@@ -4,11 +4,11 @@ in fresh processes; the record's figures, baseline, table (measured and arithmet
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sisrl.common.procs import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # bench/weight_push.py imports its neighbour `record` by that name
@@ -18,9 +18,9 @@ from weight_push import param_counts  # noqa: E402
 @pytest.mark.timeout(600)  # six fresh processes, two of them torchrun pairs
 def test_the_bench_pushes_both_ways_and_writes_its_record(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_push.py"), "--sizes", "tiny",
-                           "--shard-mb", "1", "--results-dir", str(results), "--workdir", str(tmp_path),
-                           "--notes", "test run"], cwd=tmp_path, capture_output=True, text=True, timeout=580)
+    proc = run_group([sys.executable, str(ROOT / "bench" / "weight_push.py"), "--sizes", "tiny", "--shard-mb", "1",
+                      "--results-dir", str(results), "--workdir", str(tmp_path), "--notes", "test run"],
+                     cwd=tmp_path, timeout_s=580)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = sorted((results / "weight_push").glob("*.json"))
     assert len(records) == 1, proc.stdout

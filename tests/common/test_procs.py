@@ -7,11 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-from sisrl.common.procs import free_port, launch, peak_rss_bytes, port_problem, wait_healthy
+from sisrl.common.procs import free_port, launch, peak_rss_bytes, port_problem, run_group, wait_healthy
 
 # Answers GET /health with 200 and GET /env/NAME with that variable (404 when unset).
 SERVER = """
@@ -75,3 +76,37 @@ def test_port_problem_names_a_busy_port_and_passes_a_free_one() -> None:
         assert problem is not None and problem.startswith(f"--port: cannot listen on 127.0.0.1:{busy} (")
     assert port_problem("127.0.0.1", busy) is None  # closed again: free
     assert port_problem("127.0.0.1", free_port()) is None and port_problem("127.0.0.1", 0) is None
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("leader_waits", [True, False], ids=["timed-out", "exited"])
+def test_run_group_leaves_no_child_behind(tmp_path: Path, leader_waits: bool) -> None:
+    """A launcher's child (as torchrun's ranks are) is killed with the group: when the run times out, and when
+    the launcher exits first leaving it running."""
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; " + ("wait" if leader_waits else "echo done")
+    if leader_waits:
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_group(["sh", "-c", script], timeout_s=1.0)
+    else:
+        done = run_group(["sh", "-c", script], timeout_s=30.0)
+        assert (done.returncode, done.stdout.strip()) == (0, "done")
+    child = int(pid_file.read_text())
+    assert _wait_gone(child), f"the group's child {child} still runs"

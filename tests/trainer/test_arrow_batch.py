@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 from sisrl.common import arrow_wire
-from sisrl.common.procs import free_port
+from sisrl.common.procs import free_port, run_group
 from sisrl.trainer.arrow_batch import (
     collate_arrow,
     collate_trajectories,
@@ -132,7 +131,7 @@ def test_every_rank_gets_rank_0s_batch_through_the_loop(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(worker), str(tmp_path / "batch.json"), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_group(cmd, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = trajs[:3] + [_traj(3, topk_ids=[[7, 3], [0, 0], [9, 4]], topk_logprobs=[[-0.5, -3.0], [0.0, 0.0],
                                                                                         [-2.5, -2.75]])]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from sisrl.common.procs import free_port
+from sisrl.common.procs import free_port, run_group
 from sisrl.trainer.batch import collate
 from sisrl.trainer.config import ModelConfig, RolloutConfig
 from sisrl.trainer.policy import common_prefix_length, load_policy
@@ -54,7 +53,7 @@ def test_ddp_and_fsdp2_update_equals_single_process(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(WORKER), str(batch_path), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_group(cmd, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     init = dict(load_policy(case_config("is_token_mean", "none").model, seed=0,
@@ -75,7 +74,7 @@ def test_fsdp2_checkpoint_of_an_uneven_shard_restores_exactly(tmp_path: Path) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(WORKER.with_name("fsdp_ckpt_worker.py")), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_group(cmd, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float((tmp_path / "diff.txt").read_text()) == 0.0
 
@@ -96,7 +95,7 @@ def test_fsdp2_compact_logits_equal_the_single_process_ones_and_never_span_the_r
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(WORKER.with_name("fsdp_logits_worker.py")), str(batch_path), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_group(cmd, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     report = json.loads((tmp_path / "shapes.json").read_text())

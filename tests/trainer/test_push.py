@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from sisrl.common.models import build_tiny_policy, cast_parameters, load_tokenizer
-from sisrl.common.procs import free_port
+from sisrl.common.procs import free_port, run_group
 from sisrl.common.shards import INDEX_NAME
 from sisrl.services.engines.base import SamplingParams
 from sisrl.services.engines.local import LocalEngine
@@ -94,7 +93,7 @@ def test_fsdp2_push_on_two_ranks_gathers_one_tensor_at_a_time(tmp_path: Path,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(WORKER), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_group(cmd, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     model = build_tiny_policy(tokenizer, seed=0)  # the workers' model, unsharded

@@ -1,11 +1,12 @@
 """One training step's data plane: a stored batch -> REST -> the padded tensors the update reads, JSON vs Arrow.
 
 A synthetic batch of N trajectories (prompt ~200 tokens; responses of 25-100 % of a `--budget` token budget, the
-demo's spread scaled up, with three inserted passages of 12 % each; K = `--k` behaviour top-K per policy token,
-id 0 and log-prob 0 at inserted tokens as the gateway records them; top-K ids uniform over the vocabulary and
-log-probs random float32, the worst case for compression) is written into a real SQLite rollout store with the store's own table, and served by a real
-`sisrl-gateway serve --store-only` process on loopback. Each path then runs in a fresh child process (so its
-peak RSS is its own), against a fresh gateway (whose peak RSS, VmHWM, is reported too):
+demo's spread scaled up, with three inserted passages of 12 % each; K = `--k` behaviour top-K per policy token, id
+0 and log-prob 0 at inserted tokens as the gateway records them; top-K ids uniform over the vocabulary and
+log-probs random float32, the worst case for compression) is written into a real SQLite rollout store with the
+store's own table, and served by a real `sisrl-gateway serve --store-only` process on loopback. Each path then runs
+in a fresh child process (so its peak RSS is its own), against a fresh gateway (whose peak RSS, VmHWM, is reported
+too):
 
 - JSON (the path before issue 44, the baseline): `GET /v1/batches/{id}` -> `Trajectory.from_json` -> the JSON
   broadcast bytes ranks exchanged (encoded and decoded once) -> `batch.collate`.
@@ -72,7 +73,8 @@ def fill_store(db_url: str, *, n: int, budget: int, k: int, seed: int, topk_dtyp
                 prompt_ids=store.pack(rng.integers(0, 49_000, int(rng.integers(150, 250))), np.int32),
                 response_ids=store.pack(rng.integers(0, 49_000, t), np.int32), loss_mask=store.pack(mask, np.uint8),
                 behaviour_logprobs=store.pack(logq, np.float32), topk_k=k,
-                topk_ids=store.pack(top_ids, np.int32), topk_logprobs=store.pack(top, np.float32), turns=[], num_searches=0,
+                topk_ids=store.pack(top_ids, np.int32), topk_logprobs=store.pack(top, np.float32),
+                turns=[], num_searches=0,
                 response_len=t, finish_reason="answer", answer="a", reward=float(rng.random() < 0.4), em=0.0,
                 f1=0.0, format=0.0, policy_version=0, token_versions=store.pack(np.where(mask > 0, 0, -1), np.int32),
                 policy_version_max=0, timings={}, error=None))

@@ -5,12 +5,13 @@ One definition of the columns, read by both sides: the gateway writes pages of a
 (`trainer/arrow_batch.py`). A page is one Arrow IPC *stream* (a schema message, one record batch, the
 end-of-stream marker), as specified in https://arrow.apache.org/docs/format/Columnar.html#ipc-streaming-format.
 
-Per-token columns are Arrow lists of one trajectory's response: ids int32, mask uint8, log-probs float32. The
-top-K block of a trajectory is its flattened [T, K] row-major array with K in `topk_k` (0 for a trajectory with
-no tokens), so a reader reshapes without copying. Its log-probs travel as float16 in a page whose every top-K
-value is a half float exactly (a gateway with `topk_logprobs_dtype: float16` stores them so: `round_to_half`),
-else as float32; either widens to the same float32 values, so the JSON and Arrow forms agree bit for bit. The schema's metadata names the batch and the page; a reader
-checks them, and every per-row length, before it trusts a value (`check_page`).
+Per-token columns are Arrow lists of one trajectory's response: ids int32, mask uint8, log-probs float32. The top-K
+block of a trajectory is its flattened [T, K] row-major array with K in `topk_k` (0 for a trajectory with no
+tokens), so a reader reshapes without copying. Its log-probs travel as float16 in a page whose every top-K value is
+a half float exactly (a gateway with `topk_logprobs_dtype: float16` stores them so: `round_to_half`), else as
+float32; either widens to the same float32 values, so the JSON and Arrow forms agree bit for bit. The schema's
+metadata names the batch and the page; a reader checks them, and every per-row length, before it trusts a value
+(`check_page`).
 """
 
 from __future__ import annotations

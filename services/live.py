@@ -41,7 +41,8 @@ def _real_engine(kind: str, settings: GatewaySettings, tokenizer: PreTrainedToke
     """The engine of `kind` ("local", "vllm-http" or "vllm") with every engine option of the settings."""
     if kind == "local":
         return create_engine("local", model=settings.model, tokenizer=tokenizer,
-                             max_batch_size=settings.max_concurrency, dtype=settings.dtype)
+                             max_batch_size=settings.max_concurrency, dtype=settings.dtype,
+                             prefix_cache_tokens=settings.prefix_cache_tokens)
     if kind == "vllm-http":
         key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
         servers = [create_engine("vllm-http", model=settings.model, url=url, api_key=key,

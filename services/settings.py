@@ -93,6 +93,10 @@ class GatewaySettings(BaseSettings):
         "the floor -9999 reads -10000) and Arrow pages then carry the top-K log-probs in 2 bytes instead of 4. "
         "The sampled tokens' log-probs stay float32. Both forms of a batch give the same values")
     max_concurrency: int = Field(default=64, ge=1, le=4096, description="trajectories generating at once")
+    prefix_cache_tokens: int = Field(default=8192, ge=0, le=2**24, description="local engine: tokens of KV kept "
+                                     "from finished turns so an agent's next turn prefills only its new tokens "
+                                     "(0 = off; oldest out first). To keep every running trajectory's, give about "
+                                     "max_concurrency x its context length; memory is that many tokens' KV")
     max_pending: int = Field(default=4096, ge=1, le=10**6, description="queued + running trajectories before 429")
     max_request_bytes: int = Field(default=8 * 2**20, ge=1024, le=2**30, description="request body limit")
     format_weight: float = Field(default=0.0, ge=0.0, le=1.0, description="weight of the format reward")

@@ -39,6 +39,7 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
         (*cell, seed) for cell in cells for seed in (0, 1))
     for r in rows:
         assert r["steps"] == 1 and 0.0 <= r["test_em"] <= 1.0 and 0.0 <= r["transfer_em"] <= 1.0
+        assert r["wall_s"] > 0 and r["eval_s"] > 0  # training and the evaluation of both splits, timed apart
         assert r["accept"] is not None and r["D"] is not None and r["ess"] is not None
     records = sorted((results / "offpolicy").glob("*.json"))
     assert len(records) == 1, out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from sisrl.common.procs import free_port
-from sisrl.services.cli import build_parser, main
+from sisrl.services.cli import build_parser, main, settings_from_args
 from sisrl.services.settings import GatewaySettings
 
 
@@ -32,6 +32,7 @@ def test_help_lists_every_option_with_default(capsys: pytest.CaptureFixture[str]
         (["serve", "--engine", "vllm-http"], "error: --engine-url: required with engine 'vllm-http'"),
         (["serve", "--model", "/no/such/policy"], "error: --model: no such directory '/no/such/policy' (give a"),
         (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+        (["serve", "--prefix-cache-tokens", "-1"], "--prefix-cache-tokens: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -43,12 +44,21 @@ def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.Cap
 
 
 def test_env_fills_unset_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sisrl.services.cli import settings_from_args
-
     monkeypatch.setenv("SISRL_GATEWAY_TOPK", "7")
     parser = build_parser()
     settings = settings_from_args(parser.parse_args(["serve", "--port", "9001"]), parser)
     assert (settings.topk, settings.port, settings.engine) == (7, 9001, "local")
+
+
+def test_the_prefix_cache_size_reaches_the_local_engine(tiny_policy_dir: Path) -> None:
+    from sisrl.common.models import load_tokenizer
+    from sisrl.services.live import build_engine
+
+    parser = build_parser()
+    for argv, tokens in ((["--prefix-cache-tokens", "40960"], 40960), ([], 8192)):
+        args = parser.parse_args(["serve", "--model", str(tiny_policy_dir), "--dtype", "float32", *argv])
+        engine = build_engine(settings_from_args(args, parser), load_tokenizer())
+        assert engine.prefix_cache.max_tokens == tokens  # type: ignore[attr-defined]
 
 
 def test_a_model_path_is_only_checked_where_it_is_loaded() -> None:

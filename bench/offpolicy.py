@@ -414,8 +414,9 @@ def table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     def r3(v: Any) -> Any:
         return None if v is None else round(float(v), 3)
 
-    rows = [[e["ratio"], e["n"], e["k"], e["engine"], e["topk"] or "V", e["lr"], e["seeds"], r3(e["em"]), r3(e["em_ci"]),
-             r3(e.get("sis_minus")), r3(e.get("sis_minus_ci")), r3(e.get("transfer_em")), r3(e["collapse"]),
+    rows = [[e["ratio"], e["n"], e["k"], e["engine"], e["topk"] or "V", e["lr"], e["seeds"], r3(e["em"]),
+             r3(e["em_ci"]) if e["seeds"] > 1 else None,
+             r3(e.get("sis_minus")), r3(e.get("sis_minus_ci")) if e["seeds"] > 1 else None, r3(e.get("transfer_em")), r3(e["collapse"]),
              r3(e["accept"]), r3(e["xi_k"]), r3(e["D"]), r3(e["D_sis"]), r3(e["ess"]), r3(e["ratio_max"]),
              r3(e["clipfrac"]), r3(e["mask_frac"]), r3(e["lag_mean"]), r3(e["searches"]),
              None if e["wall_s"] is None else round(e["wall_s"])]
@@ -565,10 +566,15 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
     def twin(ratio: str) -> dict[str, Any] | None:
         return by_key.get(Cell(ratio, top["n"], top["k"], top["engine"], 20, top["lr"]).key)
 
-    ems = {r: twin(r) for r in RATIOS if twin(r) is not None}
+    # ratios run on fewer seeds than SIS's cell are named apart: their mean is no match for a 5-seed mean
+    twins = {r: twin(r) for r in RATIOS if twin(r) is not None}
+    ems = {r: e for r, e in twins.items() if e["seeds"] >= top["seeds"]}  # type: ignore[index]
+    partial = [f"{r} ({e['seeds']} seed{'s' * (e['seeds'] > 1)})" for r, e in twins.items()  # type: ignore[index]
+               if r not in ems]
     s1 = (f"At the stalest cell run ({where}, {top['seeds']} seed(s)), test EM was "
           + ", ".join(f"{r} {e['em']:.3f} ± {e['em_ci']:.3f}" for r, e in ems.items())  # type: ignore[index]
-          + f" (warm start {warm:.3f}).")
+          + f" (warm start {warm:.3f})"
+          + (f"; {', '.join(partial)} so far too few seeds to compare, in the table only." if partial else "."))
     diffs = [(r, e) for r, e in ems.items() if r != "sis" and e is not None and e.get("sis_minus") is not None]
     if diffs:
         resolved = [r for r, e in diffs if abs(e["sis_minus"]) > e["sis_minus_ci"] > 0]
@@ -583,7 +589,9 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
     for e in entries:
         if e["topk"] == 20:
             cells.setdefault(Cell("x", e["n"], e["k"], e["engine"], 20, e["lr"]).staleness, []).append(e)
-    best = [f"{c}: {max(es, key=lambda e: e['em'])['ratio']}" for c, es in cells.items() if len(es) > 1]
+    most = {c: max(e["seeds"] for e in es) for c, es in cells.items()}  # the best among the fully seeded only
+    best = [f"{c}: {max((e for e in es if e['seeds'] == most[c]), key=lambda e: e['em'])['ratio']}"
+            for c, es in cells.items() if sum(e["seeds"] == most[c] for e in es) > 1]
     collapsed = {e["key"]: e["collapse"] for e in entries if e["collapse"] > 0}
     s3 = ("Best mean test EM per cell: " + "; ".join(best) + ". " if best else "") + (
         f"Runs that collapsed (below the warm start or under one search): {len(collapsed)} cell(s) with any"

@@ -416,7 +416,8 @@ def table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
 
     rows = [[e["ratio"], e["n"], e["k"], e["engine"], e["topk"] or "V", e["lr"], e["seeds"], r3(e["em"]),
              r3(e["em_ci"]) if e["seeds"] > 1 else None,
-             r3(e.get("sis_minus")), r3(e.get("sis_minus_ci")) if e["seeds"] > 1 else None, r3(e.get("transfer_em")), r3(e["collapse"]),
+             r3(e.get("sis_minus")), r3(e.get("sis_minus_ci")) if e["seeds"] > 1 else None,
+             r3(e.get("transfer_em")), r3(e["collapse"]),
              r3(e["accept"]), r3(e["xi_k"]), r3(e["D"]), r3(e["D_sis"]), r3(e["ess"]), r3(e["ratio_max"]),
              r3(e["clipfrac"]), r3(e["mask_frac"]), r3(e["lag_mean"]), r3(e["searches"]),
              None if e["wall_s"] is None else round(e["wall_s"])]

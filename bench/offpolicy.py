@@ -391,7 +391,7 @@ def summarise(rows: list[dict[str, Any]], split: str = "test") -> list[dict[str,
         if all("transfer_em" in r for r in rs):
             entry["transfer_em"], entry["transfer_ci"] = ci95([r["transfer_em"] for r in rs])
         for col in ("accept", "xi_k", "D", "D_sis", "ess", "ratio_max", "clipfrac", "mask_frac", "lag_mean",
-                    "searches", "wall_s"):
+                    "searches", "wall_s", "eval_s"):
             vals = [r[col] for r in rs if r.get(col) is not None]
             entry[col] = statistics.mean(vals) if vals else None
         out.append(entry)
@@ -409,7 +409,7 @@ def summarise(rows: list[dict[str, Any]], split: str = "test") -> list[dict[str,
 def table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     cols = ["ratio", "N", "k", "engine", "K", "lr", "seeds", "test EM", "95% CI", "SIS - this (paired)", "95% CI",
             "transfer EM", "collapse", "accept", "xi_K", "D", "D_SIS", "ESS", "max ratio", "clip", "masked",
-            "lag", "searches", "wall s"]
+            "lag", "searches", "train s", "eval s"]
 
     def r3(v: Any) -> Any:
         return None if v is None else round(float(v), 3)
@@ -420,7 +420,8 @@ def table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
              r3(e.get("transfer_em")), r3(e["collapse"]),
              r3(e["accept"]), r3(e["xi_k"]), r3(e["D"]), r3(e["D_sis"]), r3(e["ess"]), r3(e["ratio_max"]),
              r3(e["clipfrac"]), r3(e["mask_frac"]), r3(e["lag_mean"]), r3(e["searches"]),
-             None if e["wall_s"] is None else round(e["wall_s"])]
+             None if e["wall_s"] is None else round(e["wall_s"]),
+             None if e["eval_s"] is None else round(e["eval_s"])]
             for e in sorted(entries, key=lambda e: (e["engine"], e["k"], e["n"], -e["topk"], RATIOS.index(e["ratio"])))]
     return cols, rows
 
@@ -607,6 +608,22 @@ def cells_lr(rows: list[dict[str, Any]]) -> str:
     return "/".join(f"{lr:g}" for lr in sorted({r["lr"] for r in rows}))
 
 
+def run_cost(rows: list[dict[str, Any]], lr: float) -> tuple[dict[str, Any], str]:
+    """What a run costs on this machine, training and evaluation apart (the runs that timed both), and what the
+    default grid (every axis, ratio and seed) would cost at that rate: the budget, measured rather than promised."""
+    timed = [r for r in rows if r.get("eval_s") is not None]
+    if not timed:
+        return {}, ""
+    train, evaluate = (statistics.mean(r[col] for r in timed) for col in ("wall_s", "eval_s"))
+    defaults = parse_args([])
+    planned = len(grid(defaults, lr)) * len(defaults.seeds)
+    hours = planned * (train + evaluate) / 3600
+    figures = {"mean training s per run": round(train), "mean evaluation s per run": round(evaluate),
+               f"default grid ({planned} runs) h at that rate": round(hours, 1)}
+    return figures, (f"a run here: {train:.0f} s training and {evaluate:.0f} s evaluation (mean of the {len(timed)} "
+                     f"runs that timed both), so the default grid's {planned} runs would take ~{hours:.0f} h")
+
+
 def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str) -> None:
     entries = summarise(rows)
     cols, trows = table(entries)
@@ -616,6 +633,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str
     warm = json.loads(warm_em_path(args.workdir, eval_dtype(args)).read_text())
     results_dir = args.results_dir or Path(os.environ.get("SISRL_BENCH_RESULTS") or RESULTS)
     summary, figures, baseline = conclusions(entries, warm["test"])
+    cost, cost_note = run_cost(rows, rows[0]["lr"])
     path = write_record(
         bench="offpolicy", title="Off-policy benchmark: test EM of a search agent against staleness, per ratio",
         measures="From one SFT warm start on the multi-hop world (1/2/3-hop questions), GRPO with each ratio (none, "
@@ -623,14 +641,15 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str
                  "bf16 engine against an fp32 learner, SIS's K); greedy test EM (300 questions) and transfer EM (a "
                  "world never trained on), mean and 95 % t interval over seeds, paired SIS-minus-baseline "
                  "differences over the same seeds, collapse share and the ratio diagnostics.",
-        summary=summary, figures={**figures, "warm start test EM": warm["test"]},
+        summary=summary, figures={**figures, "warm start test EM": round(warm["test"], 3), **cost},
         baseline={"what": "plain IS, same cell, seeds and warm start", "figures": baseline},
         table={"columns": cols, "rows": trows}, command=command_line(),
         notes=f"{title_note}; {args.steps} RL steps of {args.prompts} x {args.samples}; lr {cells_lr(rows)} "
               f"from {getattr(args, 'lr_source', '--find-regime (dev split)')}; warm start EM dev "
               f"{warm['dev']:.3f}, test {warm['test']:.3f}, transfer "
               f"{warm['transfer']:.3f}; greedy evaluation by a {eval_dtype(args)} engine (every run and the warm "
-              f"start alike); every run's row beside this record (.runs.jsonl)", results_dir=results_dir)
+              f"start alike); {cost_note + '; ' if cost_note else ''}every run's row beside this record "
+              f"(.runs.jsonl)", results_dir=results_dir)
     # the runs behind the table, one JSON line each, beside the record: the workdir does not outlive the machine
     path.with_suffix(".runs.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     png = figure(entries, warm["test"], path.with_suffix(".png"))

@@ -450,17 +450,23 @@ def figure(entries: list[dict[str, Any]], warm_em: float, path: Path) -> Path | 
                 and e["topk"] == 20), None)  # the on-policy cell: every line's start
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (_, label, keep, x) in zip(axes[0], panels, strict=True):
+        most = max(e["seeds"] for e in entries if keep(e))
         for ratio, topk in [(r, 20) for r in RATIOS] + [("sis", 0)]:
-            pts = sorted((e[x], e["em"], e["em_ci"]) for e in entries
+            pts = sorted((e[x], e["em"], e["em_ci"], e["seeds"]) for e in entries
                          if keep(e, topk) and e["ratio"] == ratio)
             if not pts:
                 continue
+            fewest = min(p[3] for p in pts)  # a line on fewer seeds than the panel's best: dashed, and says so
             if ref is not None and all(p[0] != ref[x] for p in pts):
-                pts.insert(0, (ref[x], ref["em"], ref["em_ci"]))
-            xs, ys, hs = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker="o", label="sis exact (K = V)" if topk == 0 else ratio)
-            ax.fill_between(xs, [y - h for y, h in zip(ys, hs, strict=True)],
-                            [y + h for y, h in zip(ys, hs, strict=True)], alpha=0.15)
+                pts.insert(0, (ref[x], ref["em"], ref["em_ci"], ref["seeds"]))
+            xs, ys, hs, _ = zip(*pts, strict=True)
+            name = "sis exact (K = V)" if topk == 0 else ratio
+            (line,) = ax.plot(xs, ys, marker="o", linestyle="--" if fewest < most else "-",
+                              label=f"{name} ({fewest} seed{'s' * (fewest > 1)})" if fewest < most else name)
+            if fewest == most:  # a 2-seed t interval spans most of [0, 1]: only the fully seeded lines are shaded
+                ax.fill_between(xs, [max(0.0, y - h) for y, h in zip(ys, hs, strict=True)],
+                                [min(1.0, y + h) for y, h in zip(ys, hs, strict=True)], alpha=0.15,
+                                color=line.get_color())
         ax.axhline(warm_em, color="grey", linestyle=":", label="warm start")
         ax.set_xscale("symlog", base=2, linthresh=1)
         ax.set_xlabel(label)

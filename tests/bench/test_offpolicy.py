@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sisrl.common.models import build_tiny_policy, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +22,7 @@ def _bench(args: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
+@pytest.mark.timeout(300)  # ~80 s on a quiet 2-core CPU: SFT, 9 runs of the tiny policy, two evaluations each
 def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Path) -> None:
     tokenizer = load_tokenizer()
     policy = tmp_path / "policy"
@@ -56,3 +58,12 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
     again = _bench(args + ["--no-record"], tmp_path)  # resumable: nothing left to run
     assert "0 runs to do" in again
     assert len((tmp_path / "work" / "runs.jsonl").read_text().splitlines()) == len(rows)
+
+    # the k axis: one asynchronous cell (lag bound 2) on the same world and warm start, its row in the ledger
+    _bench(args + ["--axes", "k", "--ks", "2", "--ratios", "sis", "--seeds", "0", "--steps", "3", "--no-record"],
+           tmp_path)
+    (lagged,) = [json.loads(line) for line in (tmp_path / "work" / "runs.jsonl").read_text().splitlines()
+                 if json.loads(line)["k"] == 2]
+    assert (lagged["ratio"], lagged["n"], lagged["steps"]) == ("sis", 1, 3), lagged
+    assert lagged["lag_mean"] is not None and 0.0 <= lagged["lag_mean"] <= 2.0, lagged
+    assert lagged["accept"] is not None and 0.0 <= lagged["test_em"] <= 1.0, lagged

@@ -575,14 +575,16 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
         return by_key.get(Cell(ratio, top["n"], top["k"], top["engine"], 20, top["lr"]).key)
 
     # ratios run on fewer seeds than SIS's cell are named apart: their mean is no match for a 5-seed mean
-    twins = {r: twin(r) for r in RATIOS if twin(r) is not None}
-    ems = {r: e for r, e in twins.items() if e["seeds"] >= top["seeds"]}  # type: ignore[index]
-    partial = [f"{r} ({e['seeds']} seed{'s' * (e['seeds'] > 1)})" for r, e in twins.items()  # type: ignore[index]
-               if r not in ems]
+    twins: dict[str, dict[str, Any]] = {r: e for r in RATIOS if (e := twin(r)) is not None}
+    ems = {r: e for r, e in twins.items() if e["seeds"] >= top["seeds"]}
+    partial = [f"{r} ({e['seeds']} seed{'s' * (e['seeds'] > 1)}"
+               + (f": SIS minus it {e['sis_minus']:+.3f} ± {e['sis_minus_ci']:.3f}"
+                  if e["seeds"] > 1 and e.get("sis_minus") is not None else "") + ")"
+               for r, e in twins.items() if r not in ems]
     s1 = (f"At the stalest cell run ({where}, {top['seeds']} seed(s)), test EM was "
-          + ", ".join(f"{r} {e['em']:.3f} ± {e['em_ci']:.3f}" for r, e in ems.items())  # type: ignore[index]
+          + ", ".join(f"{r} {e['em']:.3f} ± {e['em_ci']:.3f}" for r, e in ems.items())
           + f" (warm start {warm:.3f})"
-          + (f"; {', '.join(partial)} so far too few seeds to compare, in the table only." if partial else "."))
+          + (f"; on fewer seeds so far, preliminary and not ranked: {', '.join(partial)}." if partial else "."))
     diffs = [(r, e) for r, e in ems.items() if r != "sis" and e is not None and e.get("sis_minus") is not None]
     if diffs:
         resolved = [r for r, e in diffs if abs(e["sis_minus"]) > e["sis_minus_ci"] > 0]
@@ -604,9 +606,9 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
     s3 = ("Best mean test EM per cell: " + "; ".join(best) + ". " if best else "") + (
         f"Runs that collapsed (below the warm start or under one search): {len(collapsed)} cell(s) with any"
         if collapsed else "No run collapsed (every run ended at or above the warm start with >= 1 search).")
-    figures: dict[str, Any] = {f"test EM at {where}: {r}": round(e["em"], 3) for r, e in ems.items()}  # type: ignore[index]
+    figures: dict[str, Any] = {f"test EM at {where}: {r}": round(e["em"], 3) for r, e in ems.items()}
     figures[f"test EM at {where}"] = round(top["em"], 3)
-    baseline = {f"test EM at {where}": round(ems["is"]["em"], 3)} if ems.get("is") else {}  # type: ignore[index]
+    baseline = {f"test EM at {where}": round(ems["is"]["em"], 3)} if ems.get("is") else {}
     return " ".join([s1, s2, s3.rstrip(". ") + "."]), figures, baseline
 
 

@@ -1,6 +1,7 @@
 """bench/offpolicy.py end to end on a tiny multi-hop world with the tiny policy: the real retriever and gateway
 as processes, the scripted teacher, SFT, 2 ratios x 2 N x 2 seeds of one RL step, the runs ledger, the record
-with its table and paired differences, the figure beside it; and a rerun that trains nothing twice."""
+with its table and paired differences, the figure beside it; a rerun that trains nothing twice; and one
+asynchronous cell (the k axis) with its lag in the ledger."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _bench(args: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
-@pytest.mark.timeout(300)  # ~80 s on a quiet 2-core CPU: SFT, 9 runs of the tiny policy, two evaluations each
+@pytest.mark.timeout(300)  # ~100 s on a quiet 2-core CPU: SFT, 9 runs of the tiny policy, two evaluations each
 def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Path) -> None:
     tokenizer = load_tokenizer()
     policy = tmp_path / "policy"

@@ -503,9 +503,10 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], seeds: list[int], led
             rows.append(row)
             with ledger.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
+            later = eta(rows, len(todo) - i) if i < len(todo) else ""
             say(f"[{i}/{len(todo)}] {cell.key} seed {seed}: {splits[0]} EM {row[f'{splits[0]}_em']:.3f}, accept "
                 f"{row['accept'] or 0:.3f}, D {row['D'] or 0:.2f}, {row['wall_s']:.0f}s training, "
-                f"{row['eval_s']:.0f}s evaluation")
+                f"{row['eval_s']:.0f}s evaluation" + (f"; {len(todo) - i} left, {later}" if later else ""))
     finally:
         s.stop()
     return rows
@@ -616,13 +617,31 @@ def cells_lr(rows: list[dict[str, Any]]) -> str:
     return "/".join(f"{lr:g}" for lr in sorted({r["lr"] for r in rows}))
 
 
+def mean_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Mean training and evaluation seconds of a run over `rows` that timed both; (0, 0) where none did."""
+    timed = [r for r in rows if r.get("eval_s") is not None]
+    if not timed:
+        return 0.0, 0.0
+    return statistics.mean(r["wall_s"] for r in timed), statistics.mean(r["eval_s"] for r in timed)
+
+
+def eta(rows: list[dict[str, Any]], runs: int) -> str:
+    """`runs` more runs at the mean cost of this machine's timed runs, as a phrase ('' before any was timed)."""
+    cost = sum(mean_cost(rows))
+    if not cost:
+        return ""
+    total = runs * cost
+    return (f"~{total / 3600:.1f} h" if total >= 3600 else f"~{total / 60:.0f} min") + " at " + (
+        f"{cost / 60:.0f} min" if cost >= 120 else f"{cost:.0f} s") + " a run (measured here)"
+
+
 def run_cost(rows: list[dict[str, Any]], lr: float) -> tuple[dict[str, Any], str]:
     """What a run costs on this machine, training and evaluation apart (the runs that timed both), and what the
     default grid (every axis, ratio and seed) would cost at that rate: the budget, measured rather than promised."""
     timed = [r for r in rows if r.get("eval_s") is not None]
     if not timed:
         return {}, ""
-    train, evaluate = (statistics.mean(r[col] for r in timed) for col in ("wall_s", "eval_s"))
+    train, evaluate = mean_cost(timed)
     defaults = parse_args([])
     planned = len(grid(defaults, lr)) * len(defaults.seeds)
     hours = planned * (train + evaluate) / 3600
@@ -688,7 +707,10 @@ def main(argv: list[str] | None = None) -> None:
         done = {(r["key"], r["seed"]) for r in load_rows(ledger, eval_dtype(args))}
         for c in cells:
             say(f"{c.key:40s} {sum((c.key, s) in done for s in seeds)}/{len(seeds)} seeds done")
-        say(f"{len(cells) * len(seeds)} runs in all, {sum((c.key, s) in done for c in cells for s in seeds)} done")
+        left = sum((c.key, s) not in done for c in cells for s in seeds)
+        later = eta(load_rows(ledger), left)
+        say(f"{len(cells) * len(seeds)} runs in all, {len(cells) * len(seeds) - left} done, {left} to do"
+            + (f": {later}" if later and left else ""))
         return
     rows = load_rows(ledger, eval_dtype(args)) if args.report else run_cells(args, cells, seeds, ledger, splits)
     keys = {c.key for c in cells}

@@ -58,6 +58,8 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
     assert sorted(r["key"] for r in beside) == sorted(r["key"] for r in rows)  # the table's runs kept with it
     again = _bench(args + ["--no-record"], tmp_path)  # resumable: nothing left to run
     assert "0 runs to do" in again
+    plan = _bench(args + ["--plan", "--seeds", "0", "1", "2"], tmp_path)  # a third seed: what is left and its time
+    assert "12 runs in all, 8 done, 4 to do: ~" in plan and "a run (measured here)" in plan, plan
     assert len((tmp_path / "work" / "runs.jsonl").read_text().splitlines()) == len(rows)
 
     # the k axis: one asynchronous cell (lag bound 2) on the same world and warm start, its row in the ledger

@@ -121,10 +121,8 @@ def test_every_backend_gives_the_same_recall(e5_index: Path, shared_data: Path, 
     limit = SLOW_INT8_QUESTIONS if backend == "torch-int8" and not hardware.cpu_flags() & INT8_FLAGS else None
     questions = load_questions(shared_data / "nq" / "dev.jsonl", limit=limit)
     expected = in_process_report if limit is None else recall_of(open_searcher(e5_index), questions)
-    searcher = open_searcher(e5_index, SearcherOptions(backend=backend))
-    assert searcher.encoder.backend == backend
     with torch_threads(os.cpu_count() or 1):  # nothing else runs beside it (ONNX Runtime uses every core too)
-        report = recall_of(searcher, questions)
+        report = recall_of(open_searcher(e5_index, SearcherOptions(backend=backend)), questions, backend=backend)
     sys.stderr.write(f"\n[nq/dev{f' first {limit}' if limit else ''}, {backend} backend] "
                      f"{json.dumps(report.as_dict())}\n")
     assert report.with_gold == expected.with_gold
@@ -133,9 +131,10 @@ def test_every_backend_gives_the_same_recall(e5_index: Path, shared_data: Path, 
         assert abs(report.gold_recall[k] - expected.gold_recall[k]) <= tolerance, (k, report.as_dict())
 
 
-def recall_of(searcher: Searcher, questions: list[Question]) -> EvalReport:
-    """Gold recall of `searcher` on `questions`, then the searcher closed."""
+def recall_of(searcher: Searcher, questions: list[Question], *, backend: str | None = None) -> EvalReport:
+    """Gold recall of `searcher` (on `backend`, where given) on `questions`, then the searcher closed."""
     try:
+        assert backend is None or searcher.encoder.backend == backend, (searcher.encoder.backend, backend)
         return evaluate(questions, lambda qs, k: [[p for p, _ in hits] for hits in searcher.search(qs, k)])
     finally:
         searcher.close()

@@ -433,42 +433,53 @@ def text_table(cols: list[str], rows: list[list[Any]], keep: int = 14) -> str:
 
 
 def figure(entries: list[dict[str, Any]], warm_em: float, path: Path) -> Path | None:
-    """Test EM against staleness (N; k where the grid has it), one line per ratio, 95 % intervals shaded."""
+    """Test EM against staleness (N; k and the engine's precision where the grid has them), one line per ratio, 95 %
+    intervals shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("N", "N: mini-batch updates per rollout batch", lambda e, t=20: e["k"] == 0 and e["engine"] == "float32"
-               and e["topk"] == t, "n"),
-              ("k", "k: asynchronous lag (N = 1)", lambda e, t=20: e["n"] == 1 and e["engine"] == "float32"
-               and e["topk"] == t, "k")]
-    panels = [p for p in panels if len({e[p[3]] for e in entries if p[2](e)}) > 1]
+    # (label, which entries, x of an entry, x ticks: None for a log-2 axis of the values themselves)
+    panels: list[tuple[str, Any, Any, list[str] | None]] = [
+        ("N: mini-batch updates per rollout batch",
+         lambda e, t=20: e["k"] == 0 and e["engine"] == "float32" and e["topk"] == t, lambda e: e["n"], None),
+        ("k: asynchronous lag (N = 1)",
+         lambda e, t=20: e["n"] == 1 and e["engine"] == "float32" and e["topk"] == t, lambda e: e["k"], None),
+        ("rollout engine against the fp32 learner (N = 1)",
+         lambda e, t=20: e["n"] == 1 and e["k"] == 0 and e["topk"] == t,
+         lambda e: int(e["engine"] != "float32"), ["fp32", "bf16"])]
+    panels = [p for p in panels if len({p[2](e) for e in entries if p[1](e)}) > 1]
     if not panels:
         return None
     ref = next((e for e in entries if e["n"] == 1 and e["k"] == 0 and e["engine"] == "float32"
                 and e["topk"] == 20), None)  # the on-policy cell: every line's start
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (_, label, keep, x) in zip(axes[0], panels, strict=True):
+    for ax, (label, keep, x, ticks) in zip(axes[0], panels, strict=True):
         most = max(e["seeds"] for e in entries if keep(e))
         for ratio, topk in [(r, 20) for r in RATIOS] + [("sis", 0)]:
-            pts = sorted((e[x], e["em"], e["em_ci"], e["seeds"]) for e in entries
+            pts = sorted((x(e), e["em"], e["em_ci"], e["seeds"]) for e in entries
                          if keep(e, topk) and e["ratio"] == ratio)
             if not pts:
                 continue
             fewest = min(p[3] for p in pts)  # a line on fewer seeds than the panel's best: dashed, and says so
-            if ref is not None and all(p[0] != ref[x] for p in pts):
-                pts.insert(0, (ref[x], ref["em"], ref["em_ci"], ref["seeds"]))
+            if ref is not None and all(p[0] != x(ref) for p in pts):
+                pts.insert(0, (x(ref), ref["em"], ref["em_ci"], ref["seeds"]))
             xs, ys, hs, _ = zip(*pts, strict=True)
             name = "sis exact (K = V)" if topk == 0 else ratio
             (line,) = ax.plot(xs, ys, marker="o", linestyle="--" if fewest < most else "-",
+                              color=f"C{len(RATIOS) if topk == 0 else RATIOS.index(ratio)}",  # one per ratio
                               label=f"{name} ({fewest} seed{'s' * (fewest > 1)})" if fewest < most else name)
             if fewest == most:  # a 2-seed t interval spans most of [0, 1]: only the fully seeded lines are shaded
                 ax.fill_between(xs, [max(0.0, y - h) for y, h in zip(ys, hs, strict=True)],
                                 [min(1.0, y + h) for y, h in zip(ys, hs, strict=True)], alpha=0.15,
                                 color=line.get_color())
         ax.axhline(warm_em, color="grey", linestyle=":", label="warm start")
-        ax.set_xscale("symlog", base=2, linthresh=1)
+        if ticks is None:
+            ax.set_xscale("symlog", base=2, linthresh=1)
+        else:
+            ax.set_xticks(range(len(ticks)), ticks)
+            ax.set_xlim(-0.25, len(ticks) - 0.75)
         ax.set_xlabel(label)
         ax.set_ylabel("test EM (greedy)")
         ax.legend(fontsize=8)

@@ -70,3 +70,21 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
     assert (lagged["ratio"], lagged["n"], lagged["steps"]) == ("sis", 1, 3), lagged
     assert lagged["lag_mean"] is not None and 0.0 <= lagged["lag_mean"] <= 2.0, lagged
     assert lagged["accept"] is not None and 0.0 <= lagged["test_em"] <= 1.0, lagged
+
+
+def test_the_figure_has_a_precision_panel_where_the_grid_has_a_bf16_engine(tmp_path: Path) -> None:
+    """The precision axis alone (N = 1, a bf16 engine against the fp32 reference) is drawn (it has no N or k to
+    vary); one cell alone is nothing to draw."""
+    sys.path.insert(0, str(ROOT / "bench"))  # bench/offpolicy.py imports its neighbour `record` by that name
+    try:
+        import offpolicy
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def entry(ratio: str, engine: str) -> dict[str, object]:
+        return {"ratio": ratio, "n": 1, "k": 0, "engine": engine, "topk": 20, "em": 0.5, "em_ci": 0.05, "seeds": 5}
+
+    ref = entry("is", "float32")
+    assert offpolicy.figure([ref], 0.5, tmp_path / "one.png") is None
+    png = offpolicy.figure([ref, entry("is", "bfloat16"), entry("sis", "bfloat16")], 0.5, tmp_path / "bf16.png")
+    assert png is not None and png.stat().st_size > 1000

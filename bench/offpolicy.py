@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/offpolicy.py --quick            # a first look: one stale cell, 1 seed (<= 30 min)
     .venv/bin/python bench/offpolicy.py --find-regime      # where plain IS starts to degrade (dev split only)
-    .venv/bin/python bench/offpolicy.py [--seeds 0 1 2 3 4] [--axes N k precision combined K] [--ratios ...]
-    .venv/bin/python bench/offpolicy.py --plan             # the runs the grid needs, and which are done
+    .venv/bin/python bench/offpolicy.py                    # the headline: every ratio at N = 1 and 16, seeds 0-4
+    .venv/bin/python bench/offpolicy.py --axes all         # every axis (N 1 4 8 16, k, precision, combined, K)
+    .venv/bin/python bench/offpolicy.py --plan [--axes ...] # the runs a grid needs, which are done, hours left
 
 World (trainer/demo_data.py `write_multihop_world`): fictional people with a birth town, an occupation and a
 teacher; one-, two- and three-hop questions in equal shares (so no fixed number of searches scores well), split
@@ -25,6 +26,11 @@ One JSON line per run in WORKDIR/runs.jsonl (a rerun skips what is there; a stop
 progress); at the end a record under bench/results/offpolicy/ (figures, the table, paired differences) and the
 figure beside it (test EM against staleness, one line per ratio, 95 % intervals shaded) and the rows of the
 runs it summarises (`.runs.jsonl`).
+
+Budget: evaluation (greedy, 450 questions) is most of a run and the issue's statistics (>= 250 test questions, 5
+seeds) fix its size, so the default grid is the headline table (every ratio on-policy and at N = 16: 35 runs),
+sized for ~6 h of 2 cores; `--axes all` is every axis, a multi-day grid that resumes run by run. `--plan` prices
+either on the machine at hand from the runs it has timed (an asynchronous run priced apart: it trains longer).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from sisrl.trainer.procs import Service, launch_gateway, launch_retriever, wait_
 
 TEACHER_RUN = "offpolicy-teacher"
 RATIOS = ("none", "is", "tis", "icepop", "seqmask", "sis")
+AXES = ("N", "k", "precision", "combined", "K")
 # Two passages per search and short observations (as the demo); four generations: three searches and an answer.
 # The prefix cache holds every running trajectory's context (64 x 640 tokens) between its turns.
 GATEWAY_OPTIONS = ["--topk", "2", "--observation-max-tokens", "100", "--max-response-tokens", "448",
@@ -97,15 +104,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--plan", action="store_true", help="print the grid's runs and which are done; run nothing")
     p.add_argument("--report", action="store_true",
                    help="write the record and figure from the runs the ledger holds for the chosen cells; run nothing")
-    p.add_argument("--axes", nargs="+", default=["N", "k", "precision", "combined", "K"],
-                   choices=["N", "k", "precision", "combined", "K"], help="grid axes (default: all)")
+    p.add_argument("--axes", nargs="+", default=["N"], choices=[*AXES, "all"],
+                   help="grid axes (default N with --ns 1 16: the headline table, every ratio on-policy and at "
+                        "N = 16, sized for ~6 h of 2 cores (--plan prices it here); 'all' = N k precision combined K, "
+                        "with --ns 1 4 8 16)")
     p.add_argument("--ratios", nargs="+", default=list(RATIOS), choices=RATIOS, help="ratios (default: all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="RL seeds (default 0-4)")
-    p.add_argument("--ns", type=int, nargs="+", default=[1, 4, 8, 16], help="N values (default 1 4 8 16)")
+    p.add_argument("--ns", type=int, nargs="+", default=None,
+                   help="N values (default 1 16; 1 4 8 16 with --axes all)")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="async lag bounds (default 2 4 8)")
     p.add_argument("--topks", type=int, nargs="+", default=[1, 5, 20, 100, 0],
                    help="K ablation, 0 = exact (K = V) (default 1 5 20 100 0)")
-    p.add_argument("--no-exact", action="store_true", help="leave exact SIS (K = V) out of the N axis")
+    exact = p.add_mutually_exclusive_group()
+    exact.add_argument("--exact", action="store_true",
+                       help="exact SIS (K = V) on the N axis too (it is in the K ablation either way)")
+    exact.add_argument("--no-exact", action="store_true",
+                       help="exact SIS only in the K ablation: the default (kept so older records' commands run)")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4], help="--find-regime's lrs")
     p.add_argument("--lr", type=float, default=None,
                    help="RL learning rate (default: WORKDIR/regime.json's, else 3e-5)")
@@ -129,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results-dir", type=Path, default=None, help="record folder root (default bench/results)")
     p.add_argument("--no-record", action="store_true", help="write runs.jsonl only, no record or figure")
     args = p.parse_args(argv)
+    every = "all" in args.axes
+    args.axes = list(AXES) if every else list(dict.fromkeys(args.axes))
+    if args.ns is None:
+        args.ns = [1, 4, 8, 16] if every else [1, 16]
     if args.steps < 1 or args.prompts < 1 or args.samples < 2:
         p.error(f"--steps and --prompts must be >= 1 and --samples >= 2 (GRPO groups); got {args.steps}, "
                 f"{args.prompts}, {args.samples}")
@@ -161,7 +179,7 @@ def grid(args: argparse.Namespace, lr: float) -> list[Cell]:
     for ratio in args.ratios:
         if "N" in args.axes:
             cells += [Cell(ratio, n=n, lr=lr) for n in args.ns if n > 1 or ratio == reference]
-            if ratio == "sis" and not args.no_exact:  # exact SIS: affordable where q's weights are at hand (sync)
+            if ratio == "sis" and args.exact:  # exact SIS: affordable where q's weights are at hand (sync)
                 cells += [Cell(ratio, n=n, topk=0, lr=lr) for n in args.ns if n > 1]
         if "k" in args.axes:
             cells += [Cell(ratio, k=k, lr=lr) for k in args.ks]
@@ -514,7 +532,7 @@ def run_cells(args: argparse.Namespace, cells: list[Cell], seeds: list[int], led
             rows.append(row)
             with ledger.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            later = eta(rows, len(todo) - i) if i < len(todo) else ""
+            later = eta(rows, [c for c, _ in todo[i:]]) if i < len(todo) else ""
             say(f"[{i}/{len(todo)}] {cell.key} seed {seed}: {splits[0]} EM {row[f'{splits[0]}_em']:.3f}, accept "
                 f"{row['accept'] or 0:.3f}, D {row['D'] or 0:.2f}, {row['wall_s']:.0f}s training, "
                 f"{row['eval_s']:.0f}s evaluation" + (f"; {len(todo) - i} left, {later}" if later else ""))
@@ -572,6 +590,13 @@ def find_regime(args: argparse.Namespace) -> None:
               f"{eval_dtype(args)} engine", results_dir=args.results_dir)
 
 
+def best_ratio(entries: list[dict[str, Any]]) -> str:
+    """The ratio with the highest mean test EM (at the table's 3 decimals), or the tie, named as one."""
+    top = max(round(e["em"], 3) for e in entries)
+    names = [e["ratio"] + (" exact" if e["topk"] == 0 else "") for e in entries if round(e["em"], 3) == top]
+    return names[0] if len(names) == 1 else f"a tie at {top:.3f} ({', '.join(names)})"
+
+
 def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """Three sentences on what the table shows (whatever it shows), the record's figures and IS's baseline: test
     EM per ratio at the stalest cell run; SIS minus each baseline there (paired, 95 %); the best ratio per cell
@@ -612,7 +637,7 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
         if e["topk"] == 20:
             cells.setdefault(Cell("x", e["n"], e["k"], e["engine"], 20, e["lr"]).staleness, []).append(e)
     most = {c: max(e["seeds"] for e in es) for c, es in cells.items()}  # the best among the fully seeded only
-    best = [f"{c}: {max((e for e in es if e['seeds'] == most[c]), key=lambda e: e['em'])['ratio']}"
+    best = [f"{c}: {best_ratio([e for e in es if e['seeds'] == most[c]])}"
             for c, es in cells.items() if sum(e["seeds"] == most[c] for e in es) > 1]
     collapsed = {e["key"]: e["collapse"] for e in entries if e["collapse"] > 0}
     s3 = ("Best mean test EM per cell: " + "; ".join(best) + ". " if best else "") + (
@@ -636,30 +661,50 @@ def mean_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return statistics.mean(r["wall_s"] for r in timed), statistics.mean(r["eval_s"] for r in timed)
 
 
-def eta(rows: list[dict[str, Any]], runs: int) -> str:
-    """`runs` more runs at the mean cost of this machine's timed runs, as a phrase ('' before any was timed)."""
-    cost = sum(mean_cost(rows))
-    if not cost:
+def cell_cost(rows: list[dict[str, Any]], cell: Cell) -> float:
+    """Seconds a run of `cell` costs here: the mean evaluation of every timed run, and the mean training of the
+    timed runs of the same kind (asynchronous, k > 0: its steps wait for lagged rollouts) where any was
+    timed, else of all; 0 before any run was timed."""
+    train, evaluate = mean_cost(rows)
+    same = [r for r in rows if r.get("eval_s") is not None and (r["k"] > 0) == (cell.k > 0)]
+    return (mean_cost(same)[0] if same else train) + evaluate if evaluate else 0.0
+
+
+def hours(seconds: float) -> str:
+    return f"~{seconds / 3600:.1f} h" if seconds >= 3600 else f"~{seconds / 60:.0f} min"
+
+
+def eta(rows: list[dict[str, Any]], cells: list[Cell]) -> str:
+    """Runs of `cells` (one entry a run) at what each kind of run costs here, as a phrase ('' before any was
+    timed)."""
+    total = sum(cell_cost(rows, c) for c in cells)
+    if not total:
         return ""
-    total = runs * cost
-    return (f"~{total / 3600:.1f} h" if total >= 3600 else f"~{total / 60:.0f} min") + " at " + (
-        f"{cost / 60:.0f} min" if cost >= 120 else f"{cost:.0f} s") + " a run (measured here)"
+    each = total / len(cells)
+    return f"{hours(total)} at " + (f"{each / 60:.0f} min" if each >= 120 else f"{each:.0f} s") + \
+        " a run (measured here)"
 
 
 def run_cost(rows: list[dict[str, Any]], lr: float) -> tuple[dict[str, Any], str]:
     """What a run costs on this machine, training and evaluation apart (the runs that timed both), and what the
-    default grid (every axis, ratio and seed) would cost at that rate: the budget, measured rather than promised."""
+    default grid (the headline) and every axis would cost at that rate: the budget, measured rather than
+    promised."""
     timed = [r for r in rows if r.get("eval_s") is not None]
     if not timed:
         return {}, ""
     train, evaluate = mean_cost(timed)
-    defaults = parse_args([])
-    planned = len(grid(defaults, lr)) * len(defaults.seeds)
-    hours = planned * (train + evaluate) / 3600
-    figures = {"mean training s per run": round(train), "mean evaluation s per run": round(evaluate),
-               f"default grid ({planned} runs) h at that rate": round(hours, 1)}
+    figures: dict[str, Any] = {"mean training s per run": round(train), "mean evaluation s per run": round(evaluate)}
+    phrases = []
+    for name, whose, argv in (("default grid", "the default grid's", []),
+                              ("every axis, --axes all", "every axis's (--axes all)", ["--axes", "all"])):
+        plan = parse_args(argv)
+        runs = [c for c in grid(plan, lr) for _ in plan.seeds]
+        h = sum(cell_cost(timed, c) for c in runs) / 3600
+        figures[f"{name} ({len(runs)} runs) h at that rate"] = round(h, 1)
+        phrases.append(f"{whose} {len(runs)} runs ~{h:.1f} h")
     return figures, (f"a run here: {train:.0f} s training and {evaluate:.0f} s evaluation (mean of the {len(timed)} "
-                     f"runs that timed both), so the default grid's {planned} runs would take ~{hours:.0f} h")
+                     f"runs that timed both; asynchronous runs train longer and are priced apart), so "
+                     + " and ".join(phrases))
 
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]], title_note: str) -> None:
@@ -718,8 +763,9 @@ def main(argv: list[str] | None = None) -> None:
         done = {(r["key"], r["seed"]) for r in load_rows(ledger, eval_dtype(args))}
         for c in cells:
             say(f"{c.key:40s} {sum((c.key, s) in done for s in seeds)}/{len(seeds)} seeds done")
-        left = sum((c.key, s) not in done for c in cells for s in seeds)
-        later = eta(load_rows(ledger), left)
+        left_runs = [c for c in cells for s in seeds if (c.key, s) not in done]
+        left = len(left_runs)
+        later = eta(load_rows(ledger), left_runs)
         say(f"{len(cells) * len(seeds)} runs in all, {len(cells) * len(seeds) - left} done, {left} to do"
             + (f": {later}" if later and left else ""))
         return

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sisrl.common.models import build_tiny_policy, load_tokenizer
@@ -33,7 +34,7 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
     args = ["--axes", "N", "--ns", "1", "2", "--ratios", "is", "sis", "--seeds", "0", "1", "--steps", "1",
             "--prompts", "2", "--samples", "2", "--people", "30", "--towns", "5", "--test", "8", "--dev", "4",
             "--transfer", "4", "--sft-demos", "8", "--trainable-layers", "0", "--policy", str(policy), "--encoder", "minilm",
-            "--workdir", str(tmp_path / "work"), "--results-dir", str(results), "--lr", "1e-3"]
+            "--workdir", str(tmp_path / "work"), "--results-dir", str(results), "--lr", "1e-3", "--exact"]
     out = _bench(args, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "work" / "runs.jsonl").read_text().splitlines()]
     # the on-policy cell once (plain IS), then each ratio at N = 2, and exact SIS (K = V) beside SIS at K = 20
@@ -72,14 +73,57 @@ def test_the_bench_runs_end_to_end_and_writes_its_record_and_figure(tmp_path: Pa
     assert lagged["accept"] is not None and 0.0 <= lagged["test_em"] <= 1.0, lagged
 
 
-def test_the_figure_has_a_precision_panel_where_the_grid_has_a_bf16_engine(tmp_path: Path) -> None:
-    """The precision axis alone (N = 1, a bf16 engine against the fp32 reference) is drawn (it has no N or k to
-    vary); one cell alone is nothing to draw."""
+def _offpolicy() -> Any:
     sys.path.insert(0, str(ROOT / "bench"))  # bench/offpolicy.py imports its neighbour `record` by that name
     try:
         import offpolicy
     finally:
         sys.path.remove(str(ROOT / "bench"))
+    return offpolicy
+
+
+def test_the_default_grid_is_the_headline_and_all_is_every_axis() -> None:
+    """The budget: with no options the grid is the headline table (the on-policy cell once, every ratio at
+    N = 16, five seeds); `--axes all` adds N = 4 and 8, the lag and K axes; exact SIS joins the N axis on ask."""
+    offpolicy = _offpolicy()
+    args = offpolicy.parse_args([])
+    cells = offpolicy.grid(args, 1e-4)
+    assert (args.seeds, args.ns) == ([0, 1, 2, 3, 4], [1, 16])
+    assert sorted((c.ratio, c.n, c.k, c.topk) for c in cells) == sorted(
+        [("is", 1, 0, 20)] + [(r, 16, 0, 20) for r in offpolicy.RATIOS])
+    every = offpolicy.grid(offpolicy.parse_args(["--axes", "all"]), 1e-4)
+    assert {c.n for c in every} == {1, 4, 8, 16} and {c.k for c in every} >= {0, 2, 4, 8}
+    assert {c.topk for c in every if c.ratio == "sis"} == {1, 5, 20, 100, 0}
+    exact = offpolicy.grid(offpolicy.parse_args(["--exact"]), 1e-4)
+    assert set(exact) - set(cells) == {offpolicy.Cell("sis", n=16, topk=0, lr=1e-4)}
+
+
+def test_the_plan_prices_an_asynchronous_run_apart() -> None:
+    """An async run trains longer (its steps wait for lagged rollouts): the hours left use each kind's own cost."""
+    offpolicy = _offpolicy()
+    rows = [{"k": 0, "wall_s": 100.0, "eval_s": 200.0}, {"k": 2, "wall_s": 700.0, "eval_s": 400.0}]
+    sync, lagged = offpolicy.Cell("is", n=16), offpolicy.Cell("is", k=2)
+    # evaluation: the mean of every timed run (300 s); training: the kind's own (100 s, 700 s)
+    assert offpolicy.cell_cost(rows, sync) == 400.0 and offpolicy.cell_cost(rows, lagged) == 1000.0
+    assert offpolicy.eta(rows, [sync, sync, lagged]) == "~30 min at 10 min a run (measured here)"
+    assert offpolicy.eta([], [sync]) == ""
+
+
+def test_the_best_ratio_of_a_cell_names_a_tie() -> None:
+    offpolicy = _offpolicy()
+
+    def entry(ratio: str, em: float) -> dict[str, object]:
+        return {"ratio": ratio, "topk": 20, "em": em}
+
+    assert offpolicy.best_ratio([entry("is", 0.4), entry("sis", 0.5)]) == "sis"
+    assert offpolicy.best_ratio([entry("is", 0.0), entry("sis", 0.0), entry("tis", -0.0)]) == \
+        "a tie at 0.000 (is, sis, tis)"
+
+
+def test_the_figure_has_a_precision_panel_where_the_grid_has_a_bf16_engine(tmp_path: Path) -> None:
+    """The precision axis alone (N = 1, a bf16 engine against the fp32 reference) is drawn (it has no N or k to
+    vary); one cell alone is nothing to draw."""
+    offpolicy = _offpolicy()
 
     def entry(ratio: str, engine: str) -> dict[str, object]:
         return {"ratio": ratio, "n": 1, "k": 0, "engine": engine, "topk": 20, "em": 0.5, "em_ci": 0.05, "seeds": 5}

@@ -421,7 +421,32 @@ def summarise(rows: list[dict[str, Any]], split: str = "test") -> list[dict[str,
         diffs = [sis[r["seed"]] - r[f"{split}_em"] for r in by_key[e["key"]] if r["seed"] in sis]
         if diffs:
             e["sis_minus"], e["sis_minus_ci"] = ci95(diffs)
+    for e in out:  # the K ablation: each K minus K = 20 (the grid's SIS), paired over shared seeds
+        if e["ratio"] != "sis" or e["topk"] == 20:
+            continue
+        base = {r["seed"]: r[f"{split}_em"] for r in by_key.get(Cell("sis", e["n"], e["k"], e["engine"], 20,
+                                                                          e["lr"]).key, [])}
+        diffs = [r[f"{split}_em"] - base[r["seed"]] for r in by_key[e["key"]] if r["seed"] in base]
+        if diffs:
+            e["minus_k20"], e["minus_k20_ci"] = ci95(diffs)
     return out
+
+
+def k_ablation(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """SIS's entries of the K ablation (synchronous, fp32 engine, the N with the most K values run; at least
+    three K), smallest K first and exact (K = V) last; [] where the grid has none."""
+    by_n: dict[int, list[dict[str, Any]]] = {}
+    for e in entries:
+        if e["ratio"] == "sis" and e["k"] == 0 and e["engine"] == "float32":
+            by_n.setdefault(e["n"], []).append(e)
+    if not by_n:
+        return []
+    es = max(by_n.values(), key=lambda es: (len(es), es[0]["n"]))
+    return sorted(es, key=lambda e: e["topk"] or math.inf) if len(es) >= 3 else []
+
+
+def k_name(topk: int) -> str:
+    return f"K={topk or 'V'}"
 
 
 def table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
@@ -440,7 +465,8 @@ def table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
              r3(e["clipfrac"]), r3(e["mask_frac"]), r3(e["lag_mean"]), r3(e["searches"]),
              None if e["wall_s"] is None else round(e["wall_s"]),
              None if e["eval_s"] is None else round(e["eval_s"])]
-            for e in sorted(entries, key=lambda e: (e["engine"], e["k"], e["n"], -e["topk"], RATIOS.index(e["ratio"])))]
+            for e in sorted(entries, key=lambda e: (e["engine"], e["k"], e["n"], -(e["topk"] or math.inf),
+                                          RATIOS.index(e["ratio"])))]  # exact SIS (K = V) above K = 100
     return cols, rows
 
 
@@ -448,6 +474,31 @@ def text_table(cols: list[str], rows: list[list[Any]], keep: int = 14) -> str:
     lines = ["  ".join(f"{c:>9s}" for c in cols[:keep])]
     lines += ["  ".join(f"{'' if v is None else v!s:>9s}" for v in row[:keep]) for row in rows]
     return "\n".join(lines)
+
+
+def k_panel(ax: Any, ablation: list[dict[str, Any]], warm_em: float) -> None:
+    """The K ablation: SIS's test EM against its behaviour top-K (exact last), 95 % interval shaded where every K
+    has the same seeds, each point marked with its mean residual mass xi_K (the referee's question)."""
+    xs = list(range(len(ablation)))
+    ys = [e["em"] for e in ablation]
+    seeds = {e["seeds"] for e in ablation}
+    color = f"C{RATIOS.index('sis')}"
+    ax.plot(xs, ys, marker="o", color=color, linestyle="-" if len(seeds) == 1 else "--",
+            label=f"sis ({min(seeds)}-{max(seeds)} seeds)" if len(seeds) > 1 else
+            f"sis ({ablation[0]['seeds']} seed{'s' * (ablation[0]['seeds'] > 1)})")
+    if len(seeds) == 1 and min(seeds) > 1:
+        ax.fill_between(xs, [max(0.0, e["em"] - e["em_ci"]) for e in ablation],
+                        [min(1.0, e["em"] + e["em_ci"]) for e in ablation], alpha=0.15, color=color)
+    for x, e in zip(xs, ablation, strict=True):
+        if e.get("xi_k") is not None:
+            ax.annotate(f"xi_K {e['xi_k']:.3f}", (x, e["em"]), textcoords="offset points", xytext=(0, 8),
+                        ha="center", fontsize=7)
+    ax.axhline(warm_em, color="grey", linestyle=":", label="warm start")
+    ax.set_xticks(xs, [str(e["topk"] or "V (exact)") for e in ablation])
+    ax.set_xlim(-0.5, len(xs) - 0.5)
+    ax.set_xlabel(f"K: SIS's behaviour top-K (N = {ablation[0]['n']})")
+    ax.set_ylabel("test EM (greedy)")
+    ax.legend(fontsize=8)
 
 
 def figure(entries: list[dict[str, Any]], warm_em: float, path: Path) -> Path | None:
@@ -468,12 +519,16 @@ def figure(entries: list[dict[str, Any]], warm_em: float, path: Path) -> Path | 
          lambda e, t=20: e["n"] == 1 and e["k"] == 0 and e["topk"] == t,
          lambda e: int(e["engine"] != "float32"), ["fp32", "bf16"])]
     panels = [p for p in panels if len({p[2](e) for e in entries if p[1](e)}) > 1]
-    if not panels:
+    ablation = k_ablation(entries)
+    if not panels and not ablation:
         return None
     ref = next((e for e in entries if e["n"] == 1 and e["k"] == 0 and e["engine"] == "float32"
                 and e["topk"] == 20), None)  # the on-policy cell: every line's start
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (label, keep, x, ticks) in zip(axes[0], panels, strict=True):
+    width = len(panels) + bool(ablation)
+    fig, axes = plt.subplots(1, width, figsize=(5.5 * width, 4), squeeze=False)
+    if ablation:
+        k_panel(axes[0][-1], ablation, warm_em)
+    for ax, (label, keep, x, ticks) in zip(axes[0][:len(panels)], panels, strict=True):
         most = max(e["seeds"] for e in entries if keep(e))
         for ratio, topk in [(r, 20) for r in RATIOS] + [("sis", 0)]:
             pts = sorted((x(e), e["em"], e["em_ci"], e["seeds"]) for e in entries
@@ -646,7 +701,31 @@ def conclusions(entries: list[dict[str, Any]], warm: float) -> tuple[str, dict[s
     figures: dict[str, Any] = {f"test EM at {where}: {r}": round(e["em"], 3) for r, e in ems.items()}
     figures[f"test EM at {where}"] = round(top["em"], 3)
     baseline = {f"test EM at {where}": round(ems["is"]["em"], 3)} if ems.get("is") else {}
-    return " ".join([s1, s2, s3.rstrip(". ") + "."]), figures, baseline
+    s4, k_figures = k_sentence(entries)
+    figures.update(k_figures)
+    return " ".join([s1, s2, s3.rstrip(". ") + "."] + ([s4] if s4 else [])), figures, baseline
+
+
+def k_sentence(entries: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The K ablation in a sentence (test EM and mean xi_K per K; each K minus K = 20, paired over seeds) and its
+    figures; ('', {}) where the grid has no ablation."""
+    ablation = k_ablation(entries)
+    if not ablation:
+        return "", {}
+    seeds = sorted({e["seeds"] for e in ablation})
+    each = (f"{seeds[0]} seed{'s' * (seeds[0] > 1)}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]} seeds")
+    parts = [f"{k_name(e['topk'])} {e['em']:.3f}" + (f" ± {e['em_ci']:.3f}" if e["seeds"] > 1 else "")
+             + (f" (xi_K {e['xi_k']:.4f})" if e.get("xi_k") is not None and e["topk"] else "") for e in ablation]
+    paired = [e for e in ablation if e.get("minus_k20") is not None and e["seeds"] > 1]
+    sentence = f"K ablation (SIS at N = {ablation[0]['n']}, {each}): test EM " + ", ".join(parts)
+    if paired:
+        resolved = [k_name(e["topk"]) for e in paired if abs(e["minus_k20"]) > e["minus_k20_ci"] > 0]
+        sentence += ("; each K minus K=20, paired: " + ", ".join(
+            f"{k_name(e['topk'])} {e['minus_k20']:+.3f} ± {e['minus_k20_ci']:.3f}" for e in paired) + "; "
+            + (f"the interval excludes 0 for {', '.join(resolved)}" if resolved
+               else "no interval excludes 0, so the residual mass xi_K did not move test EM measurably here"))
+    figures = {f"K ablation test EM: {k_name(e['topk'])}": round(e["em"], 3) for e in ablation}
+    return sentence + ".", figures
 
 
 def cells_lr(rows: list[dict[str, Any]]) -> str:

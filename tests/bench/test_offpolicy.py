@@ -132,3 +132,29 @@ def test_the_figure_has_a_precision_panel_where_the_grid_has_a_bf16_engine(tmp_p
     assert offpolicy.figure([ref], 0.5, tmp_path / "one.png") is None
     png = offpolicy.figure([ref, entry("is", "bfloat16"), entry("sis", "bfloat16")], 0.5, tmp_path / "bf16.png")
     assert png is not None and png.stat().st_size > 1000
+
+
+def test_the_k_ablation_is_a_sentence_a_table_order_and_a_panel(tmp_path: Path) -> None:
+    """The referee's question (does the residual mass xi_K matter?): SIS at each K beside K = 20, paired over the
+    same seeds, in the record's sentences and figures, the table (exact first, then K down) and a panel of its own."""
+    offpolicy = _offpolicy()
+    em = {1: [0.25, 0.20, 0.26], 5: [0.50, 0.41, 0.45], 20: [0.50, 0.40, 0.46], 0: [0.52, 0.41, 0.45]}
+    rows = [{"ratio": "sis", "n": 16, "k": 0, "engine": "float32", "topk": topk, "lr": 1e-4, "seed": seed,
+             "key": offpolicy.Cell("sis", n=16, topk=topk, lr=1e-4).key, "test_em": v, "collapsed": False,
+             "xi_k": 0.0 if topk == 0 else 0.1 / topk}
+            for topk, values in em.items() for seed, v in enumerate(values)]
+    entries = offpolicy.summarise(rows)
+    ablation = offpolicy.k_ablation(entries)
+    assert [e["topk"] for e in ablation] == [1, 5, 20, 0]  # exact (K = V) last
+    k1 = ablation[0]
+    assert k1["minus_k20"] == pytest.approx(-0.2167, abs=1e-3) and 0 < k1["minus_k20_ci"] < 0.1
+    sentence, figures = offpolicy.k_sentence(entries)
+    assert sentence.startswith("K ablation (SIS at N = 16, 3 seeds): test EM K=1 0.237 ± ")
+    assert "(xi_K 0.1000)" in sentence and "K=V 0.460" in sentence and "(xi_K 0.0000)" not in sentence
+    assert "the interval excludes 0 for K=1." in sentence, sentence  # K=5 and exact stay within noise of K=20
+    assert figures["K ablation test EM: K=V"] == 0.46
+    _, table = offpolicy.table(entries)
+    assert [row[4] for row in table] == ["V", 20, 5, 1]
+    png = offpolicy.figure(entries, 0.45, tmp_path / "k.png")  # the K panel alone: nothing else varies
+    assert png is not None and png.stat().st_size > 1000
+    assert offpolicy.k_ablation(entries[:2]) == [] and offpolicy.k_sentence(entries[:2]) == ("", {})

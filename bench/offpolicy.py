@@ -723,7 +723,7 @@ def k_sentence(entries: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         sentence += ("; each K minus K=20, paired: " + ", ".join(
             f"{k_name(e['topk'])} {e['minus_k20']:+.3f} ± {e['minus_k20_ci']:.3f}" for e in paired) + "; "
             + (f"the interval excludes 0 for {', '.join(resolved)}" if resolved
-               else "no interval excludes 0, so the residual mass xi_K did not move test EM measurably here"))
+               else "no interval excludes 0, so these seeds do not tell whether the residual mass xi_K matters here"))
     figures = {f"K ablation test EM: {k_name(e['topk'])}": round(e["em"], 3) for e in ablation}
     return sentence + ".", figures
 

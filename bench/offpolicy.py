@@ -413,22 +413,20 @@ def summarise(rows: list[dict[str, Any]], split: str = "test") -> list[dict[str,
             vals = [r[col] for r in rs if r.get(col) is not None]
             entry[col] = statistics.mean(vals) if vals else None
         out.append(entry)
+
+    def paired(minuend: str, subtrahend: str) -> list[float]:
+        """EM of one cell minus another's over the seeds both ran."""
+        base = {r["seed"]: r[f"{split}_em"] for r in by_key.get(subtrahend, [])}
+        return [r[f"{split}_em"] - base[r["seed"]] for r in by_key.get(minuend, []) if r["seed"] in base]
+
     for e in out:
-        if e["ratio"] == "sis":
-            continue
-        twin = Cell("sis", e["n"], e["k"], e["engine"], e["topk"], e["lr"]).key
-        sis = {r["seed"]: r[f"{split}_em"] for r in by_key.get(twin, [])}
-        diffs = [sis[r["seed"]] - r[f"{split}_em"] for r in by_key[e["key"]] if r["seed"] in sis]
-        if diffs:
-            e["sis_minus"], e["sis_minus_ci"] = ci95(diffs)
-    for e in out:  # the K ablation: each K minus K = 20 (the grid's SIS), paired over shared seeds
-        if e["ratio"] != "sis" or e["topk"] == 20:
-            continue
-        base = {r["seed"]: r[f"{split}_em"] for r in by_key.get(Cell("sis", e["n"], e["k"], e["engine"], 20,
-                                                                          e["lr"]).key, [])}
-        diffs = [r[f"{split}_em"] - base[r["seed"]] for r in by_key[e["key"]] if r["seed"] in base]
-        if diffs:
-            e["minus_k20"], e["minus_k20_ci"] = ci95(diffs)
+        if e["ratio"] != "sis":  # SIS minus this baseline in the same cell
+            twin = Cell("sis", e["n"], e["k"], e["engine"], e["topk"], e["lr"]).key
+            if diffs := paired(twin, e["key"]):
+                e["sis_minus"], e["sis_minus_ci"] = ci95(diffs)
+        elif e["topk"] != 20:  # the K ablation: this K minus K = 20 (the grid's SIS)
+            if diffs := paired(e["key"], Cell("sis", e["n"], e["k"], e["engine"], 20, e["lr"]).key):
+                e["minus_k20"], e["minus_k20_ci"] = ci95(diffs)
     return out
 
 
